@@ -1,0 +1,207 @@
+"""Assemble a run from a JobConfig: every component, in one fixed order.
+
+    1) parallel dims + device mesh
+    2) model on the meta device (no memory), args = flavor + [model] overrides
+    3) converters (e.g. float8) swap modules in place
+    4) MoE backend set on every MoE layer
+    5) activation checkpointing wraps blocks
+    6) torch.compile per block
+    7) materialise on the device + init_weights()
+    8) parallelize: expert parallel, then FSDP2 / HSDP
+    9) optimizer, 10) lr scheduler, 11) data loaders, 12) metric loggers
+
+Why 7 before 8 (torchtitan materialises after sharding): a full-size init on every rank with the
+same seed makes the initial weights independent of the parallel layout, so FSDP/HSDP/EP runs can
+be compared bit for bit with a single process. DTensor's offset-based RNG gives that only on
+CUDA. The cost is one unsharded fp32 copy per rank while starting (about 4 GB for the 1B flavors).
+
+Each component gets only its own config section. The train loop only sees the ``Run``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from spider_titan.components import registry
+from spider_titan.config.job_config import JobConfig
+from spider_titan.data.loader import ByteDataLoader
+from spider_titan.metrics.logger import MetricLogger
+from spider_titan.models.common import ModelSpec
+from spider_titan.optim.lr_schedulers import build_lr_scheduler
+from spider_titan.parallel.mesh import ParallelDims
+
+logger = logging.getLogger("spider_titan")
+
+
+@dataclass
+class Run:
+    """Everything the train loop needs, already assembled."""
+
+    cfg: JobConfig
+    device: torch.device
+    rank: int
+    world_size: int
+    parallel_dims: ParallelDims
+    meshes: dict[str, Any] | None
+    spec: ModelSpec
+    model_args: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: ByteDataLoader
+    val_loader: ByteDataLoader | None
+    metric_logger: MetricLogger
+    total_steps: int
+    autocast_dtype: torch.dtype | None
+    # callables run after every optimizer step (e.g. float8 scale precompute, MoE bias update)
+    post_step_hooks: list[Callable[[], None]] = field(default_factory=list)
+    dump_folder: Path = Path(".")
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device: 'cuda' asked for but CUDA is not available; use 'auto' or 'cpu'")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    import os
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def precision_dtypes(cfg: JobConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(param/compute dtype, gradient-reduce dtype) for this device; CPU runs stay fp32."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if device.type == "cpu":
+        if cfg.training.mixed_precision_param != "float32":
+            logger.info("CPU run: parameters and compute stay fp32 (CPU bf16 matmuls are slower than fp32)")
+        return torch.float32, torch.float32
+    return dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce]
+
+
+def total_steps(cfg: JobConfig, dp_degree: int) -> int:
+    """``training.steps``, or enough steps to reach ``training.target_tokens``."""
+    t = cfg.training
+    if t.target_tokens > 0:
+        per_step = t.local_batch_size * t.gradient_accumulation_steps * dp_degree * t.seq_len
+        return math.ceil(t.target_tokens / per_step)
+    return t.steps
+
+
+def build_model(cfg: JobConfig) -> tuple[ModelSpec, Any, nn.Module]:
+    """Steps 2-4: the model on the meta device with converters and MoE backend applied."""
+    spec = registry.get("model", cfg.model.name)
+    args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    for name in cfg.model.converters:
+        registry.get("converter", name)(model, getattr(cfg, name, None))
+    backend_cls = registry.get("moe_backend", cfg.moe.backend)
+    n_moe = apply_moe_backend(model, backend_cls())
+    if n_moe:
+        logger.info("MoE backend %r on %d layers", cfg.moe.backend, n_moe)
+    return spec, args, model
+
+
+def model_args_overrides(cfg: JobConfig) -> dict[str, Any]:
+    """[model] overrides, plus the [moe] loss weight for models that have one."""
+    overrides = dict(cfg.model.overrides)
+    spec = registry.get("model", cfg.model.name)
+    if "moe_aux_coeff" in getattr(spec.args_cls, "__dataclass_fields__", {}):
+        coeff = 0.0 if cfg.moe.load_balance == "aux_free" else cfg.moe.aux_loss_coeff
+        overrides.setdefault("moe_aux_coeff", coeff)
+    return overrides
+
+
+def apply_moe_backend(model: nn.Module, backend) -> int:
+    """Point every MoE layer at ``backend``; returns how many layers there are."""
+    from spider_titan.moe.layer import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.backend = backend
+    return len(layers)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Step 7: allocate on ``device`` and initialise; the same seed on every rank."""
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights()
+
+
+def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) -> Run:
+    device = resolve_device(cfg.training.device)
+    param_dtype, reduce_dtype = precision_dtypes(cfg, device)
+
+    # 1) parallel dims + device mesh
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    meshes = dims.build_meshes(device.type) if world_size > 1 else None
+
+    # 2)-4) model on meta, converters, MoE backend
+    spec, args, model = build_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model %s/%s: %.2f M parameters", cfg.model.name, cfg.model.flavor, n_params / 1e6)
+
+    # 7) materialise + init (see the module docstring for why before parallelize)
+    materialize(model, device, cfg.training.seed)
+
+    # 8) parallelize
+    registry.get("parallelize", "fsdp")(
+        model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
+    fsdp_on = any(hasattr(m, "unshard") for m in model.modules())
+    autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
+
+    # 9) optimizer, 10) lr scheduler
+    optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
+    steps = total_steps(cfg, dims.dp_degree)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
+
+    # 11) data: every rank loads its own slice ("dp" covers all ranks)
+    dp_rank = meshes["world"].get_local_rank() if meshes is not None else 0
+    t = cfg.training
+    build_dataset = registry.get("dataset", t.dataset)
+    path = t.dataset_path or None
+    train_loader = ByteDataLoader(
+        build_dataset(path, split="train", seed=t.seed),
+        seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank, dp_world_size=dims.dp_degree, seed=t.seed, num_workers=t.num_workers,
+    )
+    val_loader = None
+    if cfg.validation.enable:
+        val_loader = ByteDataLoader(
+            build_dataset(path, split="val", seed=t.seed),
+            seq_len=t.seq_len, local_batch_size=cfg.validation.local_batch_size or t.local_batch_size,
+            dp_rank=dp_rank, dp_world_size=dims.dp_degree, seed=t.seed,
+        )
+
+    # 12) metric loggers (rank 0 only unless asked otherwise)
+    backends = []
+    if rank == 0 or not cfg.metrics.rank_0_only:
+        backends.append(registry.get("metric_logger", "console")(cfg.metrics, log_dir=dump_folder, rank=rank))
+        if cfg.metrics.enable_jsonl:
+            backends.append(registry.get("metric_logger", "jsonl")(cfg.metrics, log_dir=dump_folder, rank=rank))
+        if cfg.metrics.enable_tensorboard:
+            backends.append(
+                registry.get("metric_logger", "tensorboard")(
+                    cfg.metrics, log_dir=dump_folder / cfg.metrics.save_tb_folder, rank=rank
+                )
+            )
+
+    return Run(
+        cfg=cfg, device=device, rank=rank, world_size=world_size, parallel_dims=dims, meshes=meshes,
+        spec=spec, model_args=args, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        train_loader=train_loader, val_loader=val_loader, metric_logger=MetricLogger(backends),
+        total_steps=steps, autocast_dtype=autocast_dtype, dump_folder=dump_folder,
+    )

@@ -1,0 +1,236 @@
+"""The JobConfig: one dataclass per TOML table.
+
+Each field is typed, defaulted and documented by the string literal under it; that text is what
+``--help`` prints (read with ``ast`` by ``config.manager.field_docs``). Enumerated strings are
+``Literal[...]`` and checked at parse time; component names are checked against the registry.
+
+Precedence: CLI ``--section.key value`` > TOML > these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file to load (``--job.config_file``); CLI overrides apply on top of it."""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: resolved config, checkpoints, TensorBoard logs, exports."""
+    description: str = ""
+    """Free text describing the job, written to the resolved config."""
+
+
+@dataclass
+class Model:
+    name: str = "spider"
+    """Model component (registry key): ``spider`` or the ``dense`` baseline."""
+    flavor: str = "debug"
+    """Size preset of the model (``debug``, ``1B``). Any field of the model's args can also be set in
+    this section (e.g. ``n_loops = 4``) and overrides the flavor's value."""
+    converters: list[str] = field(default_factory=list)
+    """Module converters applied after building on meta, in order (e.g. ``["float8"]``)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """(Filled from the extra keys of [model]; not set directly.)"""
+
+
+@dataclass
+class Training:
+    dataset: str = "builtin"
+    """Dataset component: ``builtin`` (Python stdlib corpus, cached), ``bytes`` (.bin shards under
+    ``dataset_path``), ``text`` (text/.jsonl files under ``dataset_path``), ``mock`` (synthetic)."""
+    dataset_path: str = ""
+    """Folder or file of the dataset (``bytes``: shard folder; ``text``: files or folders)."""
+    seq_len: int = 512
+    """Bytes per sample (the model sees seq_len inputs and predicts the next byte of each)."""
+    local_batch_size: int = 8
+    """Samples per micro-batch on each data-parallel rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Global batch = local_batch_size * accumulation * dp degree."""
+    steps: int = 1000
+    """Optimizer steps to run (ignored when ``target_tokens`` > 0)."""
+    target_tokens: int = 0
+    """When > 0, run until this many tokens (bytes) have been trained on; overrides ``steps``."""
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold (total norm over all parameters; <= 0 disables clipping)."""
+    seed: int = 0
+    """Seed for model init, data order and sampling noise."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower; for debugging and parity tests)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` = CUDA when available, else CPU."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of parameters on GPU (FSDP param dtype / autocast). On CPU runs stay fp32:
+    CPU bf16 matmuls are slower than fp32 and gloo reductions are checked in fp32."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """dtype of gradient reduce-scatter under FSDP."""
+    precision: Literal["auto", "fp8", "bf16"] = "bf16"
+    """The seed trainer's --precision: ``fp8`` adds the float8 converter, ``auto`` adds it only where
+    torchao and the GPU support it, ``bf16`` leaves the converters list as configured."""
+    compile: bool = False
+    """torch.compile each block (after activation checkpointing, before FSDP)."""
+    num_workers: int = 0
+    """Data-loader worker processes per rank (0 = load in the training process)."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer component: ``AdamW`` or ``Muon`` (Muon on 2-D hidden weights, AdamW elsewhere)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms, biases, embeddings' rows of
+    specials, LoRA-free scalars)."""
+    muon_lr: float = 0.02
+    """Muon learning rate for hidden matrices (only with ``name = "Muon"``)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 100
+    """Linear warmup steps from ``lr * warmup_start_factor`` to ``lr``."""
+    warmup_start_factor: float = 0.0
+    """LR multiplier at step 0 of warmup."""
+    decay_type: str = "cosine"
+    """Decay after warmup: ``cosine``, ``linear`` or ``wsd`` (warmup-stable-decay)."""
+    decay_ratio: float = 0.2
+    """``wsd`` only: fraction of the steps spent in the final linear decay."""
+    min_lr_factor: float = 0.1
+    """LR at the end of decay as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicas (parameters replicated across this many groups, sharded inside each)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 = whatever is left of the world size."""
+    expert_parallel_degree: int = 1
+    """Ranks that split the experts of each MoE layer (dim 0 of the grouped weights)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """``default`` reshards every block but the root after forward; ``never`` keeps parameters
+    gathered between forward and backward (more memory, fewer all-gathers)."""
+    fsdp_enabled: Literal["auto", "always", "never"] = "auto"
+    """``auto`` = wrap with FSDP2 when the data-parallel world is > 1."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective", "recurrent"] = "none"
+    """``none``; ``full`` every block; ``selective`` op policy or every N-th block; ``recurrent`` the
+    core blocks on every loop (the seed's gradient checkpointing)."""
+    selective_ac_option: str = "op"
+    """``selective`` only: ``op`` (save matmuls/attention except every second matmul) or an integer N
+    (checkpoint every N-th block)."""
+
+
+@dataclass
+class Float8:
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao float8 recipe; ``tensorwise`` is the one that supports fp8 all-gather."""
+    filter_fqns: list[str] = field(
+        default_factory=lambda: [
+            "boundary_predictor", "loop_embedding", "engram", "norm",
+            "embed_tokens", "lm_head", "halt_predictor", "router",
+        ]
+    )
+    """Linears whose FQN contains any of these stay high precision."""
+    pad_inner_dim: bool = True
+    """Pad inner dims to multiples of 16 so fp8 matmuls accept them."""
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather fp8 weights under FSDP2 (tensorwise only; needs FSDP)."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = True
+    """With fp8 all-gather: compute all scales in one fused step after each optimizer step."""
+    moe_experts: bool = True
+    """Use torchao's fp8 grouped GEMM for the experts where the GPU supports it (SM 9.0/10.0)."""
+    fallback: Literal["warn", "error"] = "warn"
+    """When fp8 is asked for but cannot run here: ``warn`` = log one line and stay bf16, ``error`` = stop."""
+
+
+@dataclass
+class MoE:
+    backend: str = "torch"
+    """MoE backend component: ``torch`` (reference) or ``triton`` (fused kernels)."""
+    aux_loss_coeff: float = 0.01
+    """Weight of the load-balancing loss E·Σ f_i P_i (sets the model's moe_aux_coeff)."""
+    load_balance: Literal["aux_loss", "aux_free", "both"] = "aux_loss"
+    """``aux_loss``: the loss only; ``aux_free``: the bias update only (loss weight 0); ``both``."""
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: expert_bias += rate * sign(mean_count - count_i) per step."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save DCP checkpoints every ``interval`` steps and resume from the latest one."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to the dump folder (or absolute)."""
+    interval: int = 500
+    """Steps between checkpoints."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (0 = keep all)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """``async`` writes checkpoints in the background while training goes on."""
+    load_step: int = -1
+    """Resume from this step's checkpoint instead of the latest (-1 = latest)."""
+    initial_load_path: str = ""
+    """Start from this checkpoint folder (the seed's --resume) when the run has none of its own."""
+    initial_load_model_only: bool = False
+    """With ``initial_load_path``: load weights only, fresh optimizer and step 0 (--reset_steps)."""
+    last_save_model_only: bool = True
+    """The final save holds the model only (in ``export_dtype``)."""
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of model-only saves and safetensors exports."""
+    export_at_end: bool = False
+    """Write a safetensors export (model.safetensors + config.json) at the end of training."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Steps between console/TensorBoard lines."""
+    enable_jsonl: bool = True
+    """Append the scalars of every logged step to ``metrics.jsonl`` in the dump folder."""
+    enable_tensorboard: bool = False
+    """Also write the scalars to TensorBoard."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to the dump folder."""
+    rank_0_only: bool = True
+    """Only rank 0 logs."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate on the dataset's validation split every ``freq`` steps."""
+    freq: int = 100
+    """Steps between validations."""
+    steps: int = 10
+    """Batches per validation (-1 = the whole split)."""
+    local_batch_size: int = 0
+    """Validation micro-batch size per rank (0 = training.local_batch_size)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    moe: MoE = field(default_factory=MoE)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)

@@ -1,0 +1,408 @@
+"""Parse a JobConfig from TOML and command-line overrides, validate it, write it back out.
+
+Precedence (stated once): CLI ``--section.key value`` / ``--section.key=value`` > TOML > defaults.
+Every problem found (unknown section or key, wrong type, bad choice, inconsistent values) is
+collected and raised together as one :class:`ConfigError`, whose lines each name the key, the
+value and the fix. ``train.main`` prints them and exits with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import tomli
+
+from spider_titan.components import registry
+from spider_titan.config.job_config import JobConfig
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; ``problems`` holds one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+# ---------------------------------------------------------------- introspection
+
+def sections() -> dict[str, type]:
+    """TOML table name -> dataclass."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, read from its source with ast."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "|".join(str(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        return f"list[{', '.join(_type_name(a) for a in get_args(tp) if a is not Ellipsis)}]"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+# ---------------------------------------------------------------- value conversion
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def convert(value: Any, tp: Any, *, from_cli: bool) -> Any:
+    """Convert ``value`` (a CLI string or a TOML value) to type ``tp``; ValueError explains why not."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        members = get_args(tp)
+        if type(None) in members and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+            return None
+        errors = []
+        for member in members:
+            if member is type(None):
+                continue
+            try:
+                return convert(value, member, from_cli=from_cli)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        v = value
+        if from_cli or not isinstance(value, str):
+            v = str(value)
+        if v not in choices:
+            raise ValueError(f"{value!r} is not one of {list(choices)}")
+        return v
+    if origin in (list, tuple):
+        (item_tp, *_) = get_args(tp) or (str,)
+        if from_cli and isinstance(value, str):
+            text = value.strip().strip("[]")
+            items = [s.strip().strip("'\"") for s in text.split(",") if s.strip()]
+            return [convert(i, item_tp, from_cli=True) for i in items]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [convert(i, item_tp, from_cli=from_cli) for i in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise ValueError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if from_cli:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected a string, got {value!r}")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise ValueError(f"expected a table, got {value!r}")
+    raise ValueError(f"unsupported field type {tp!r}")
+
+
+# ---------------------------------------------------------------- parsing
+
+def split_cli(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """``--a.b v`` / ``--a.b=v`` pairs in order, and the problems found while splitting."""
+    pairs, problems = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            problems.append(f"argument {arg!r}: expected --section.key value (see --help)")
+            i += 1
+            continue
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            key = arg[2:]
+            if i + 1 >= len(argv):
+                problems.append(f"--{key}: missing value")
+                break
+            value = argv[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs, problems
+
+
+def _model_args_fields(model_name: str) -> dict[str, Any] | None:
+    """Type hints of the named model's args dataclass, or None when the model is unknown."""
+    try:
+        spec = registry.get("model", model_name)
+    except (ValueError, ImportError):
+        return None
+    return typing.get_type_hints(spec.args_cls)
+
+
+def parse_args(argv: list[str] | None = None, *, env: dict[str, str] | None = None) -> JobConfig:
+    """Build and validate the JobConfig for ``argv`` (without the program name)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs, problems = split_cli(argv)
+
+    # 1) the TOML file, when one is named
+    toml_data: dict[str, Any] = {}
+    config_file = next((v for k, v in pairs if k == "job.config_file"), "")
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError([f"job.config_file: {config_file!r} does not exist (give the path of a TOML file)"])
+        try:
+            toml_data = tomli.loads(path.read_text())
+        except tomli.TOMLDecodeError as e:
+            raise ConfigError([f"job.config_file: {config_file!r} is not valid TOML: {e}"]) from None
+
+    cfg = JobConfig()
+    secs = sections()
+    raw_model_extra: dict[str, tuple[Any, bool, str]] = {}  # key -> (value, from_cli, origin)
+
+    def assign(section: str, key: str, value: Any, *, from_cli: bool, origin: str) -> None:
+        if section not in secs:
+            problems.append(f"{origin}: unknown section [{section}]; sections: {', '.join(secs)}")
+            return
+        cls = secs[section]
+        hints = typing.get_type_hints(cls)
+        if key not in hints or key == "overrides" and section == "model":
+            if section == "model":
+                raw_model_extra[key] = (value, from_cli, origin)
+                return
+            known = ", ".join(hints)
+            problems.append(f"{origin}: unknown key {section}.{key}; keys of [{section}]: {known}")
+            return
+        try:
+            setattr(getattr(cfg, section), key, convert(value, hints[key], from_cli=from_cli))
+        except ValueError as e:
+            problems.append(f"{origin}: {section}.{key}: {e}")
+
+    for section, table in toml_data.items():
+        if not isinstance(table, dict):
+            problems.append(f"{config_file}: top-level key {section!r} must be a [table]")
+            continue
+        for key, value in table.items():
+            assign(section, key, value, from_cli=False, origin=config_file)
+    # 2) CLI overrides on top
+    for dotted, value in pairs:
+        section, _, key = dotted.partition(".")
+        if "." in key:
+            problems.append(f"--{dotted}: expected --section.key")
+            continue
+        assign(section, key, value, from_cli=True, origin=f"--{dotted}")
+
+    # 3) extra [model] keys are the model args' overrides, typed by the model's args dataclass
+    model_fields = _model_args_fields(cfg.model.name)
+    if model_fields is not None:
+        for key, (value, from_cli, origin) in raw_model_extra.items():
+            if key not in model_fields:
+                problems.append(
+                    f"{origin}: unknown key model.{key}; keys of [model]: name, flavor, converters, "
+                    f"and the {cfg.model.name} args: {', '.join(model_fields)}"
+                )
+                continue
+            try:
+                cfg.model.overrides[key] = convert(value, model_fields[key], from_cli=from_cli)
+            except ValueError as e:
+                problems.append(f"{origin}: model.{key}: {e}")
+
+    problems.extend(validate(cfg, env=os.environ if env is None else env))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+def validate(cfg: JobConfig, *, env: Any) -> list[str]:
+    """Cross-field and component-name checks; returns every problem found."""
+    problems = []
+
+    def check_name(key: str, kind: str, value: str) -> None:
+        if value not in registry.names(kind):
+            problems.append(f"{key}: {value!r} is not a registered {kind}; choose one of {registry.names(kind)}")
+
+    check_name("model.name", "model", cfg.model.name)
+    check_name("optimizer.name", "optimizer", cfg.optimizer.name)
+    check_name("lr_scheduler.decay_type", "lr_scheduler", cfg.lr_scheduler.decay_type)
+    check_name("training.dataset", "dataset", cfg.training.dataset)
+    check_name("moe.backend", "moe_backend", cfg.moe.backend)
+    for conv in cfg.model.converters:
+        check_name("model.converters", "converter", conv)
+
+    if cfg.model.name in registry.names("model"):
+        spec = registry.get("model", cfg.model.name)
+        if cfg.model.flavor not in spec.flavors:
+            problems.append(
+                f"model.flavor: {cfg.model.flavor!r} is not a flavor of {cfg.model.name}; choose one of {list(spec.flavors)}"
+            )
+        else:
+            args = spec.build_args(cfg.model.flavor, cfg.model.overrides)
+            check = getattr(args, "validate", None)
+            if check is not None:
+                problems.extend(f"model.{p}" for p in check())
+
+    t = cfg.training
+    for key, value, low in (
+        ("training.seq_len", t.seq_len, 1),
+        ("training.local_batch_size", t.local_batch_size, 1),
+        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
+        ("metrics.log_freq", cfg.metrics.log_freq, 1),
+        ("validation.freq", cfg.validation.freq, 1),
+        ("checkpoint.interval", cfg.checkpoint.interval, 1),
+    ):
+        if value < low:
+            problems.append(f"{key}: {value} must be >= {low}")
+    if t.steps < 1 and t.target_tokens <= 0:
+        problems.append(f"training.steps: {t.steps} must be >= 1 (or set training.target_tokens > 0)")
+    if t.target_tokens < 0:
+        problems.append(f"training.target_tokens: {t.target_tokens} must be >= 0")
+    if t.dataset in ("bytes", "text") and not t.dataset_path:
+        problems.append(f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        problems.append(f"lr_scheduler.warmup_steps: {cfg.lr_scheduler.warmup_steps} must be >= 0")
+    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
+        problems.append(f"lr_scheduler.decay_ratio: {cfg.lr_scheduler.decay_ratio} must be in [0, 1]")
+    if cfg.checkpoint.keep_latest_k < 0:
+        problems.append(f"checkpoint.keep_latest_k: {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
+    if cfg.checkpoint.initial_load_model_only and not cfg.checkpoint.initial_load_path:
+        problems.append("checkpoint.initial_load_model_only: needs checkpoint.initial_load_path")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
+        problems.append(
+            f"activation_checkpoint.selective_ac_option: {ac.selective_ac_option!r} must be 'op' or a positive integer"
+        )
+
+    from spider_titan.parallel.mesh import ParallelDims
+
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    problems.extend(ParallelDims.from_config(cfg.parallelism, world_size, check=False).problems())
+    if cfg.model.name == "spider" and cfg.parallelism.expert_parallel_degree > 1 and cfg.model.flavor in (
+        registry.get("model", "spider").flavors
+    ):
+        args = registry.get("model", "spider").build_args(cfg.model.flavor, cfg.model.overrides)
+        ep = cfg.parallelism.expert_parallel_degree
+        if args.n_experts % ep:
+            problems.append(
+                f"parallelism.expert_parallel_degree: n_experts ({args.n_experts}) is not divisible by {ep}; "
+                "choose a degree that divides the expert count"
+            )
+    if cfg.float8.enable_fsdp_float8_all_gather and "float8" not in cfg.model.converters and t.precision != "fp8":
+        problems.append("float8.enable_fsdp_float8_all_gather: needs the float8 converter (model.converters = [\"float8\"])")
+    return problems
+
+
+# ---------------------------------------------------------------- output
+
+def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """The resolved config as TOML-shaped tables (model overrides folded into [model])."""
+    out = {}
+    for name in sections():
+        table = dataclasses.asdict(getattr(cfg, name))
+        if name == "model":
+            table.update(table.pop("overrides"))
+        out[name] = table
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if v is None:
+        raise ValueError("TOML has no null")
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that ``parse_args`` reads back to an equal JobConfig."""
+    lines = []
+    for name, table in to_dict(cfg).items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """Every section and key with its type, default and doc (what ``--help`` prints)."""
+    lines = [
+        "usage: python -m spider_titan.train --job.config_file FILE [--section.key value ...]",
+        "Precedence: command line > TOML file > defaults.",
+        "",
+    ]
+    for name, cls in sections().items():
+        lines.append(f"[{name}]")
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        defaults = dataclasses.asdict(cls())
+        for key in hints:
+            if name == "model" and key == "overrides":
+                continue
+            lines.append(f"  --{name}.{key} ({_type_name(hints[key])}, default {defaults[key]!r})")
+            if docs.get(key):
+                lines.append(f"      {docs[key]}")
+        lines.append("")
+    for model_name in registry.names("model"):
+        spec = registry.get("model", model_name)
+        docs = field_docs(spec.args_cls)
+        hints = typing.get_type_hints(spec.args_cls)
+        lines.append(f"[model] args of {model_name!r} (override the flavor's values; flavors: {list(spec.flavors)})")
+        for key in hints:
+            lines.append(f"  --model.{key} ({_type_name(hints[key])})")
+            if docs.get(key):
+                lines.append(f"      {docs[key]}")
+        lines.append("")
+    return "\n".join(lines)

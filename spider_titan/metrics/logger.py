@@ -1,0 +1,171 @@
+"""Metric loggers: one console line per ``metrics.log_freq`` steps and the same scalars to TensorBoard.
+
+A logger backend is anything with ``log(step, scalars)`` and ``close()``; the trainer holds a
+:class:`MetricLogger` fanning out to the backends the config enabled (registry kind
+``metric_logger``). Throughput, MFU and memory helpers live here too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("spider_titan")
+
+# Dense bf16 peak TFLOP/s by device name substring, for MFU (vendor datasheets, no sparsity).
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0}
+
+# Console names: short and fixed-order for the first fields, the rest as they come.
+_CONSOLE_ORDER = ("loss", "bpb", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_gib")
+
+
+def setup_logging(rank: int) -> None:
+    """One stream handler for the package logger; ranks other than 0 only log warnings."""
+    log = logging.getLogger("spider_titan")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of ``device`` when known (None on CPU and unknown GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in _PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory: CUDA max allocated, or this process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def _fmt(key: str, value: float) -> str:
+    if key == "lr":
+        return f"{key} {value:.2e}"
+    if key == "tokens_per_s":
+        return f"tok/s {value:,.0f}"
+    if key == "memory_gib":
+        return f"mem {value:.2f}GiB"
+    if key == "mfu":
+        return f"mfu {100 * value:.1f}%"
+    if isinstance(value, float) and (abs(value) >= 1e4 or (value != 0 and abs(value) < 1e-3)):
+        return f"{key} {value:.3e}"
+    return f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}"
+
+
+class ConsoleLogger:
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        first = [k for k in _CONSOLE_ORDER if k in scalars]
+        rest = sorted(k for k in scalars if k not in _CONSOLE_ORDER)
+        parts = [f"step {step:>6}"] + [_fmt(k, scalars[k]) for k in first + rest]
+        logger.info(" | ".join(parts))
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        logger.info("TensorBoard: %s", log_dir)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key.replace(".", "/"), value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class JsonlLogger:
+    """One JSON object per logged step in ``metrics.jsonl`` (easy to plot or compare runs with)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def build_jsonl_logger(cfg, *, log_dir: Path, rank: int) -> JsonlLogger:
+    return JsonlLogger(log_dir / ("metrics.jsonl" if cfg.rank_0_only else f"metrics_rank{rank}.jsonl"))
+
+
+def build_console_logger(cfg, *, log_dir: Path, rank: int) -> ConsoleLogger:
+    return ConsoleLogger()
+
+
+def build_tensorboard_logger(cfg, *, log_dir: Path, rank: int) -> TensorBoardLogger:
+    return TensorBoardLogger(log_dir / (f"rank_{rank}" if not cfg.rank_0_only else ""))
+
+
+class MetricLogger:
+    """Fans scalars out to the enabled backends; a no-op on ranks that don't log."""
+
+    def __init__(self, backends: list):
+        self.backends = backends
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for b in self.backends:
+            b.log(step, scalars)
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+
+
+class Throughput:
+    """Tokens/s and step time between two log points (wall clock, after a device sync)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.steps = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.steps += 1
+
+    def rates(self) -> tuple[float, float]:
+        """(tokens per second, seconds per step) since the last reset."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return self.tokens / dt, dt / max(self.steps, 1)
+
+
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,143 @@
+"""Building blocks and contracts shared by every model in spider_titan.
+
+A model is a plain ``nn.Module`` with no distributed imports. It is described to the rest of
+the framework by a :class:`ModelSpec` (registered in ``components/registry.py``) and returns a
+:class:`ModelOutput` from ``forward``. Parallelism, float8, activation checkpointing and
+``torch.compile`` are applied from outside, and they find the model's repeated blocks through
+``ModelSpec.block_containers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Vocabulary (MODEL.md): 0..255 bytes, then specials.
+VOCAB_SIZE = 272
+PAD_ID = 256
+BOS_ID = 257
+EOS_ID = 258
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    """What every model's forward returns.
+
+    logits:   (B, T, VOCAB_SIZE)
+    loss:     scalar total loss (lm_loss + weighted auxiliary terms), None without labels
+    aux_loss: scalar, the weighted sum of the non-LM loss terms (zero for models without any);
+              present with or without labels so the train loop can normalise the LM term itself
+    aux:      scalar tensors for metrics (lm_loss, moe_aux_loss, ...), detached or not
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How the framework builds and handles one registered model.
+
+    name:             registry key
+    args_cls:         dataclass of the model's hyper-parameters (every field overridable in [model])
+    flavors:          flavor name -> args instance
+    model_cls:        nn.Module class constructed as ``model_cls(args)``; must build on the meta device
+                      and provide ``init_weights()``
+    block_containers: FQNs of the ModuleLists that hold the repeated blocks (FSDP units, AC and
+                      compile targets), in forward order
+    flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
+    """
+
+    name: str
+    args_cls: type
+    flavors: dict[str, Any]
+    model_cls: type
+    block_containers: tuple[str, ...]
+    flops_per_token: Callable[..., float]
+
+    def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
+        """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
+        if flavor not in self.flavors:
+            raise ValueError(
+                f"model.flavor: {flavor!r} is not a flavor of {self.name!r}; choose one of {list(self.flavors)}"
+            )
+        return dataclasses.replace(self.flavors[flavor], **(overrides or {}))
+
+    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every repeated block as (fqn, module), in forward order."""
+        out = []
+        for container in self.block_containers:
+            mod = model.get_submodule(container)
+            for name, block in mod.named_children():
+                out.append((f"{container}.{name}", block))
+        return out
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-byte cross-entropy over labels != IGNORE_INDEX, computed in fp32."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def lm_loss_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy over labels != IGNORE_INDEX (0 when there are none)."""
+    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return lm_loss_sum(logits, labels) / n
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, std=init_std)
+        nn.init.trunc_normal_(self.w3.weight, std=init_std)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std)
+
+
+def rope_frequencies(head_dim: int, max_len: int, theta: float, device=None) -> torch.Tensor:
+    """Complex RoPE rotations ``(max_len, head_dim // 2)`` (fp32 angles, complex64)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_len, device=device, dtype=torch.float32)
+    return torch.polar(torch.ones(max_len, head_dim // 2, device=device), torch.outer(t, inv))
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, H, D) by ``freqs`` (T, D/2) complex, or (B, T, D/2) for per-row positions."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    if freqs.dim() == 2:
+        f = freqs[None, :, None, :]
+    else:
+        f = freqs[:, :, None, :]
+    return torch.view_as_real(xc * f).flatten(-2).type_as(x)
+
+
+def default_init_std(dim: int) -> float:
+    """Std for input projections: 0.02, the GPT-2/Llama convention."""
+    return 0.02
+
+
+def depth_scaled_std(n_layers: int) -> float:
+    """Std for residual output projections, scaled by depth (GPT-2: 0.02 / sqrt(2 * n_layers))."""
+    return 0.02 / math.sqrt(2 * max(1, n_layers))

@@ -1,0 +1,164 @@
+"""The ``dense`` baseline: a byte-level Llama-style decoder, the yardstick Spider is compared with.
+
+Pre-RMSNorm blocks of grouped-query causal attention (RoPE, SDPA) and a SwiGLU MLP over the
+272-id byte vocabulary of MODEL.md; untied lm_head. Built on the meta device, then
+``init_weights()`` (trunc-normal 0.02, residual outputs scaled by depth as in GPT-2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spider_titan.models.common import (
+    VOCAB_SIZE,
+    ModelOutput,
+    ModelSpec,
+    SwiGLU,
+    apply_rope,
+    depth_scaled_std,
+    lm_loss_mean,
+    rope_frequencies,
+)
+
+
+@dataclass
+class DenseArgs:
+    dim: int = 128
+    """Model width."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    inter_dim: int = 352
+    """SwiGLU hidden width."""
+    max_seq_len: int = 8192
+    """Longest sequence the RoPE table covers."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def validate(self) -> list[str]:
+        out = []
+        if self.dim % self.n_heads:
+            out.append(f"dim: {self.dim} is not divisible by n_heads ({self.n_heads})")
+        elif (self.dim // self.n_heads) % 2:
+            out.append(f"dim / n_heads = {self.dim // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            out.append(f"n_kv_heads: {self.n_kv_heads} must divide n_heads ({self.n_heads})")
+        return out
+
+
+DENSE_FLAVORS = {
+    "debug": DenseArgs(),
+    # 22 blocks of (GQA 16/4 heads: 10.5 M) + (SwiGLU 5632: 34.6 M) = 992 M, + embeddings/head 1.1 M.
+    "1B": DenseArgs(dim=2048, n_layers=22, n_heads=16, n_kv_heads=4, inter_dim=5632),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DenseArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )  # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, args: DenseArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = SwiGLU(args.dim, args.inter_dim)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class DenseModel(nn.Module):
+    def __init__(self, args: DenseArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, VOCAB_SIZE, bias=False)
+        self.register_buffer("freqs", self._freqs(), persistent=False)
+
+    def _freqs(self) -> torch.Tensor:
+        return rope_frequencies(self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta)
+
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place (after ``to_empty``)."""
+        with torch.device(self.embed_tokens.weight.device):
+            self.freqs = self._freqs()
+        nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        out_std = depth_scaled_std(self.args.n_layers)
+        for block in self.layers:
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv):
+                nn.init.trunc_normal_(lin.weight, std=0.02)
+            nn.init.trunc_normal_(block.attention.wo.weight, std=out_std)
+            block.feed_forward.init_weights(0.02, out_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        nn.init.trunc_normal_(self.lm_head.weight, std=self.args.dim**-0.5)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        t = input_ids.shape[1]
+        if t > self.args.max_seq_len:
+            raise ValueError(f"sequence length {t} > max_seq_len {self.args.max_seq_len}; raise model.max_seq_len")
+        h = self.embed_tokens(input_ids)
+        freqs = self.freqs[:t]
+        for block in self.layers:
+            h = block(h, freqs)
+        logits = self.lm_head(self.norm(h))
+        aux_loss = logits.new_zeros((), dtype=torch.float32)
+        loss, aux = None, {}
+        if labels is not None:
+            loss = lm_loss_mean(logits, labels)
+            aux["lm_loss"] = loss.detach()
+        return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss, aux=aux)
+
+
+def dense_flops_per_token(args: DenseArgs, seq_len: int, **_) -> float:
+    """Training FLOPs (fwd + bwd = 3x forward) per token: 6 * matmul params + causal attention."""
+    hd = args.dim // args.n_heads
+    per_layer = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + 3 * args.dim * args.inter_dim
+    matmul_params = args.n_layers * per_layer + args.dim * VOCAB_SIZE
+    # causal attention: QK^T and PV, each 2*T*hd per head per token, halved by the mask
+    attn = args.n_layers * 2 * 2 * args.n_heads * hd * seq_len / 2
+    return 6 * matmul_params + 3 * attn
+
+
+DENSE_SPEC = ModelSpec(
+    name="dense",
+    args_cls=DenseArgs,
+    flavors=DENSE_FLAVORS,
+    model_cls=DenseModel,
+    block_containers=("layers",),
+    flops_per_token=dense_flops_per_token,
+)

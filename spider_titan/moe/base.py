@@ -1,0 +1,121 @@
+"""The interface every MoE backend implements (see ../shared/design/MOE.md).
+
+One MoE layer sees T local tokens, E experts and top-k routing. The router (plain torch) picks
+``topk_idx (T, k)`` and gate ``weights (T, k)``. A backend then provides the three steps between
+the router and the experts' grouped GEMM, and back:
+
+1. ``build_map``  (no gradient): the expert-major layout. Each (token, slot) pair gets a row in a
+   buffer of ``R = T*k + E*(align-1)`` rows (a static upper bound, so nothing waits on the host);
+   expert e's rows are contiguous, in token order (stable), and each expert's segment is padded
+   up to a multiple of ``align``. Rows past the last used one are padding too.
+2. ``expand``     (autograd): gather x's rows into that buffer; padding rows are zero.
+3. ``reduce``     (autograd): per token, the fp32 sum over its k rows weighted by the gate weights;
+   its backward gives the gradient to the expert outputs and to the gate weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class RoutingMap:
+    """The expert-major layout of one MoE call.
+
+    token_slot_to_pos: (T, k) int64, the buffer row of each (token, slot)
+    pos_to_token:      (R,) int64, the token of each buffer row, -1 for padding rows
+    counts:            (E,) int64, routed (token, slot) pairs per expert, without padding
+    offs:              (E,) int32, cumulative END of each expert's padded segment (for _grouped_mm)
+    """
+
+    token_slot_to_pos: torch.Tensor
+    pos_to_token: torch.Tensor
+    counts: torch.Tensor
+    offs: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.pos_to_token.shape[0]
+
+
+class MoEBackend(Protocol):
+    """Routing-map / expand / reduce provider for a MoE layer."""
+
+    name: str
+
+    def build_map(self, topk_idx: torch.Tensor, n_experts: int, align: int) -> RoutingMap: ...
+
+    def expand(self, x: torch.Tensor, rmap: RoutingMap) -> torch.Tensor: ...
+
+    def reduce(self, y_exp: torch.Tensor, weights: torch.Tensor, rmap: RoutingMap) -> torch.Tensor: ...
+
+
+def max_rows(num_tokens: int, top_k: int, n_experts: int, align: int) -> int:
+    """Static upper bound on the expert-major buffer's rows."""
+    return num_tokens * top_k + n_experts * (align - 1)
+
+
+def check_topk_idx(topk_idx: torch.Tensor, n_experts: int, align: int) -> torch.Tensor:
+    """Validate ``build_map``'s inputs; return ``topk_idx`` as contiguous int64 ``(T, k)``.
+
+    The range check reads the values, which on an accelerator would wait on the host, so there it
+    is a device-side assert (``torch._assert_async``) instead of a ValueError.
+    """
+    if n_experts < 1 or align < 1:
+        raise ValueError(f"MoE map: n_experts ({n_experts}) and align ({align}) must be >= 1")
+    if topk_idx.dim() != 2 or topk_idx.is_floating_point() or topk_idx.is_complex():
+        raise ValueError(
+            f"MoE map: topk_idx must be an integer (T, k) tensor, got {tuple(topk_idx.shape)} {topk_idx.dtype}"
+        )
+    topk_idx = topk_idx.long().contiguous()
+    if topk_idx.numel() == 0:
+        return topk_idx
+    in_range = (topk_idx.min() >= 0) & (topk_idx.max() < n_experts)
+    if topk_idx.device.type == "cpu":
+        if not bool(in_range):
+            raise ValueError(
+                f"MoE map: topk_idx values must lie in [0, {n_experts}), got "
+                f"[{int(topk_idx.min())}, {int(topk_idx.max())}]"
+            )
+    else:
+        torch._assert_async(in_range, f"MoE map: topk_idx values must lie in [0, {n_experts})")
+    return topk_idx
+
+
+def check_expand(x: torch.Tensor, rmap: RoutingMap) -> torch.Tensor:
+    """Validate ``expand``'s inputs; return ``x`` contiguous."""
+    T = rmap.token_slot_to_pos.shape[0]
+    if x.dim() != 2 or x.shape[0] != T or not x.is_floating_point():
+        raise ValueError(f"MoE expand: x must be a floating (T={T}, dim) tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.device != rmap.pos_to_token.device:
+        raise ValueError(f"MoE expand: x is on {x.device} but the routing map on {rmap.pos_to_token.device}")
+    return x.contiguous()
+
+
+def check_reduce(
+    y_exp: torch.Tensor, weights: torch.Tensor, rmap: RoutingMap
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``reduce``'s inputs; return ``(y_exp, weights)`` contiguous.
+
+    ``weights`` must have y_exp's dtype or be fp32 (the router's precision; the sum is fp32 anyway).
+    """
+    R, (T, k) = rmap.num_rows, rmap.token_slot_to_pos.shape
+    if y_exp.dim() != 2 or y_exp.shape[0] != R or not y_exp.is_floating_point():
+        raise ValueError(
+            f"MoE reduce: y_exp must be a floating (R={R}, dim) tensor, got {tuple(y_exp.shape)} {y_exp.dtype}"
+        )
+    if weights.shape != (T, k):
+        raise ValueError(f"MoE reduce: weights must be (T={T}, k={k}), got {tuple(weights.shape)}")
+    if weights.dtype not in (y_exp.dtype, torch.float32):
+        raise ValueError(
+            f"MoE reduce: weights dtype {weights.dtype} must be y_exp's ({y_exp.dtype}) or torch.float32"
+        )
+    if not (y_exp.device == weights.device == rmap.pos_to_token.device):
+        raise ValueError(
+            f"MoE reduce: y_exp ({y_exp.device}), weights ({weights.device}) and the routing map "
+            f"({rmap.pos_to_token.device}) must be on one device"
+        )
+    return y_exp.contiguous(), weights.contiguous()

@@ -1,0 +1,104 @@
+"""ParallelDims: the parallel degrees of a run, validated in one place, and its device mesh.
+
+    world_size = dp_replicate * dp_shard          (dp_shard = -1 takes what is left)
+    dp_shard   = dp_shard_mod_ep * ep             (expert parallel borrows ranks from the FSDP dim)
+
+Meshes (fixed names; each a view of one world mesh, made with ``_unflatten``):
+    "world"  all ranks, 1-D: data loading (every rank reads its own slice)
+    "fsdp"   dense parameters: ("dp_shard",) or, with replication, ("dp_replicate", "dp_shard") = HSDP
+    "ep"     expert parallel: the ``ep`` consecutive ranks that split the experts
+    "efsdp"  expert parameters' FSDP: ("dp_shard_mod_ep",) or ("dp_replicate", "dp_shard_mod_ep"),
+             the data-parallel ranks that hold the same experts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int, *, check: bool = True) -> "ParallelDims":
+        """Resolve -1 degrees against ``world_size``; with ``check``, raise ValueError on any problem."""
+        rep, shard, ep = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree, cfg.expert_parallel_degree
+        if shard == -1 and rep >= 1 and world_size % rep == 0:
+            shard = world_size // rep
+        dims = cls(dp_replicate=rep, dp_shard=shard, ep=ep, world_size=world_size)
+        if check and dims.problems():
+            raise ValueError("\n".join(dims.problems()))
+        return dims
+
+    def problems(self) -> list[str]:
+        """Every inconsistency, each one line showing the whole equation and a fix."""
+        out = []
+        if self.dp_replicate < 1:
+            out.append(f"parallelism.data_parallel_replicate_degree: {self.dp_replicate} must be >= 1")
+        if self.ep < 1:
+            out.append(f"parallelism.expert_parallel_degree: {self.ep} must be >= 1")
+        if self.dp_shard == -1:
+            out.append(
+                f"parallelism: WORLD_SIZE({self.world_size}) is not divisible by "
+                f"data_parallel_replicate_degree({self.dp_replicate}); choose a replicate degree that divides it"
+            )
+        elif self.dp_shard < 1:
+            out.append(f"parallelism.data_parallel_shard_degree: {self.dp_shard} must be >= 1 or -1 (the rest)")
+        elif self.dp_replicate >= 1 and self.dp_replicate * self.dp_shard != self.world_size:
+            out.append(
+                f"parallelism: dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) = "
+                f"{self.dp_replicate * self.dp_shard} != WORLD_SIZE({self.world_size}); "
+                "set data_parallel_shard_degree = -1"
+            )
+        if self.ep >= 1 and self.dp_shard >= 1 and self.dp_shard % self.ep:
+            out.append(
+                f"parallelism: expert_parallel_degree({self.ep}) must divide dp_shard({self.dp_shard}) "
+                "(EP ranks are drawn from the FSDP dimension); choose an EP degree that divides it"
+            )
+        return out
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that each load their own data (every rank: no tensor or pipeline parallel here)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or self.dp_replicate > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def build_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
+        """One init_device_mesh call, then the named views of the module docstring."""
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        dense = world._unflatten(0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard"))
+        sparse = world._unflatten(
+            0, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
+        )
+        return {
+            "world": world,
+            "fsdp": dense if self.hsdp_enabled else dense["dp_shard"],
+            "ep": sparse["ep"],
+            "efsdp": sparse["dp_replicate", "dp_shard_mod_ep"] if self.hsdp_enabled else sparse["dp_shard_mod_ep"],
+        }
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

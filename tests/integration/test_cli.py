@@ -1,0 +1,70 @@
+"""The CLI end to end: a table of runs (overrides, world size) and the start-up errors a user meets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.utils import check_ok, read_metrics, run_train, train_losses
+
+DENSE = ["--job.config_file", "train_configs/debug_dense.toml"]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (DENSE + ["--training.stepz", "3"], "training.stepz"),
+        (DENSE + ["--training.steps", "abc"], "training.steps"),
+        (["--job.config_file", "train_configs/no_such_job.toml"], "no_such_job.toml"),
+        (DENSE + ["--training.dataset", "bytes", "--training.dataset_path", "{empty}"], "{empty}"),
+    ],
+    ids=["unknown-key", "bad-type", "missing-config", "no-shards"],
+)
+def test_startup_errors_are_one_line(args, needle, tmp_path):
+    empty = tmp_path / "empty_data"
+    empty.mkdir()
+    args = [a.replace("{empty}", str(empty)) for a in args] + ["--job.dump_folder", str(tmp_path / "out")]
+    proc = run_train(args, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert needle.replace("{empty}", str(empty)) in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_exits_zero():
+    proc = run_train(["--help"], timeout=120)
+    check_ok(proc)
+    assert "--training.seq_len" in proc.stdout
+
+
+# (overrides, id, nprocs): the feature table, each run a few steps of the debug model on mock data.
+FEATURES = [
+    ([], "single", 1),
+    (["--training.gradient_accumulation_steps", "2"], "grad-accum", 1),
+    (["--lr_scheduler.decay_type", "wsd"], "wsd", 1),
+    (["--optimizer.name", "Muon"], "muon", 1),
+    (["--validation.enable", "true", "--validation.freq", "2", "--metrics.enable_tensorboard", "true"], "val-tb", 1),
+    ([], "fsdp2", 2),
+    (["--parallelism.data_parallel_replicate_degree", "2"], "hsdp-2x1", 2),
+]
+
+
+@pytest.mark.parametrize("overrides, name, nprocs", FEATURES, ids=[f[1] for f in FEATURES])
+def test_feature_runs(overrides, name, nprocs, tmp_path):
+    dump = tmp_path / name
+    proc = run_train(
+        DENSE + ["--training.dataset", "mock", "--training.steps", "4", "--training.seq_len", "64",
+                 "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)]
+        + overrides,
+        nprocs=nprocs,
+    )
+    check_ok(proc)
+    losses = train_losses(dump)
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert all(0 < v < 10 for v in losses.values())
+    assert (dump / "config.toml").is_file()
+    if "val-tb" == name:
+        assert any("val_bpb" in row for row in read_metrics(dump))
+        assert list((dump / "tb").glob("events.out.tfevents.*"))

@@ -1,0 +1,257 @@
+"""The token datasets and ByteDataLoader, checked against a straightforward reference sampler."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from spider_titan.data.loader import (
+    ByteDataLoader,
+    TokenDataset,
+    build_builtin_dataset,
+    build_bytes_dataset,
+    build_mock_dataset,
+    build_text_dataset,
+)
+from spider_titan.data.shards import read_metadata, read_shard, write_shard
+from spider_titan.data.tokenizer import decode, encode
+from spider_titan.models.common import IGNORE_INDEX, PAD_ID
+
+SEQ = 16
+
+
+def _stream_dataset(num_windows: int = 64, pieces: int = 5, seed: int = 0) -> tuple[TokenDataset, np.ndarray]:
+    """A dataset of random tokens (PAD included) split into uneven arrays, and its flat reference."""
+    flat = np.random.default_rng(seed).integers(0, 272, size=num_windows * SEQ + 1).astype(np.uint16)
+    cuts = np.sort(np.random.default_rng(seed + 1).choice(np.arange(1, flat.size), size=pieces - 1, replace=False))
+    return TokenDataset(np.split(flat, cuts), description="test stream"), flat
+
+
+def _reference_samples(flat: np.ndarray, seed: int, first: int, count: int) -> np.ndarray:
+    """Global samples [first, first + count) written out from the documented sampling rule."""
+    n = (flat.size - 1) // SEQ
+    rows = []
+    for s in range(first, first + count):
+        epoch, pos = divmod(s, n)
+        w = np.random.default_rng(seed + epoch).permutation(n)[pos]
+        rows.append(flat[w * SEQ : w * SEQ + SEQ + 1])
+    return np.stack(rows).astype(np.int64)
+
+
+def _loader(ds, *, batch=2, rank=0, world=1, seed=0, workers=0) -> ByteDataLoader:
+    return ByteDataLoader(ds, seq_len=SEQ, local_batch_size=batch, dp_rank=rank, dp_world_size=world, seed=seed,
+                          num_workers=workers)
+
+
+def _take(loader: ByteDataLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(itertools.islice(iter(loader), n))
+
+
+def test_window_crosses_array_borders():
+    ds, flat = _stream_dataset()
+    assert ds.num_tokens == flat.size
+    for start, length in [(0, 1), (0, flat.size), (100, 300), (flat.size - 5, 5), (7, 0)]:
+        np.testing.assert_array_equal(ds.window(start, length), flat[start : start + length])
+    with pytest.raises(IndexError):
+        ds.window(flat.size - 2, 3)
+
+
+def test_batches_follow_the_reference_across_epochs():
+    ds, flat = _stream_dataset(num_windows=10)
+    batches = _take(_loader(ds, batch=4, seed=3), 6)  # 24 samples: crosses two epoch borders
+    for g, (x, y) in enumerate(batches):
+        ref = _reference_samples(flat, 3, g * 4, 4)
+        assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (4, SEQ)
+        np.testing.assert_array_equal(x.numpy(), ref[:, :-1])
+        np.testing.assert_array_equal(y.numpy(), np.where(ref[:, 1:] == PAD_ID, IGNORE_INDEX, ref[:, 1:]))
+
+
+def test_labels_are_shifted_inputs_and_pad_is_ignored():
+    flat = np.tile(np.array([1, 2, PAD_ID, 3], dtype=np.uint16), 40)
+    ds = TokenDataset([flat], description="pads")
+    x, y = next(iter(_loader(ds, batch=3)))
+    assert (y == IGNORE_INDEX).any() and not (y == PAD_ID).any()
+    kept = y != IGNORE_INDEX
+    torch.testing.assert_close(y[:, :-1][kept[:, :-1]], x[:, 1:][kept[:, :-1]])
+    torch.testing.assert_close(kept[:, :-1], x[:, 1:] != PAD_ID)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_read_disjoint_slices_that_cover_the_global_batch(world):
+    ds, flat = _stream_dataset(num_windows=64)
+    batch, steps = 2, 64 // (2 * world)  # exactly one epoch
+    per_rank = [_take(_loader(ds, batch=batch, rank=r, world=world, seed=5), steps) for r in range(world)]
+    starts = []
+    for g in range(steps):
+        global_inputs = torch.cat([per_rank[r][g][0] for r in range(world)])
+        ref = _reference_samples(flat, 5, g * batch * world, batch * world)
+        np.testing.assert_array_equal(global_inputs.numpy(), ref[:, :-1])
+        starts += [_window_id(flat, row) for row in global_inputs.numpy()]
+    assert sorted(starts) == list(range(64))  # every window once over the epoch, no rank overlap
+
+
+def _window_id(flat: np.ndarray, row: np.ndarray) -> int:
+    matches = [w for w in range((flat.size - 1) // SEQ) if np.array_equal(flat[w * SEQ : w * SEQ + SEQ], row)]
+    assert len(matches) == 1
+    return matches[0]
+
+
+def test_workers_yield_the_same_sequence():
+    ds, _ = _stream_dataset(num_windows=40)
+    plain = _take(_loader(ds, batch=3, seed=1), 7)
+    loader = _loader(ds, batch=3, seed=1, workers=2)
+    with_workers = _take(loader, 7)
+    for (x0, y0), (x1, y1) in zip(plain, with_workers, strict=True):
+        torch.testing.assert_close(x0, x1)
+        torch.testing.assert_close(y0, y1)
+    assert loader.samples_consumed == 7 * 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_yields_the_uninterrupted_batches(workers):
+    ds, _ = _stream_dataset(num_windows=30)
+    reference = _take(_loader(ds, batch=4, seed=2), 12)
+    first = _loader(ds, batch=4, seed=2, workers=workers)
+    _take(first, 5)
+    resumed = _loader(ds, batch=4, seed=2, workers=workers)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    for (x0, y0), (x1, y1) in zip(reference[5:], _take(resumed, 7), strict=True):
+        torch.testing.assert_close(x0, x1)
+        torch.testing.assert_close(y0, y1)
+
+
+def test_resume_on_another_world_size_continues_the_global_sequence():
+    ds, _ = _stream_dataset(num_windows=48)
+    two = [_loader(ds, batch=2, rank=r, world=2, seed=4) for r in range(2)]
+    iters = [iter(loader) for loader in two]
+    for _ in range(5):
+        for it in iters:
+            next(it)
+    saved = two[0].state_dict()
+    assert saved == two[1].state_dict()  # the state does not depend on the rank
+    uninterrupted = [torch.cat([next(it)[0] for it in iters]) for _ in range(6)]
+
+    one = _loader(ds, batch=4, seed=4)
+    one.load_state_dict(saved)
+    for expected, (x, _) in zip(uninterrupted, _take(one, 6), strict=True):
+        torch.testing.assert_close(x, expected)
+
+
+@pytest.mark.parametrize("key", ["seq_len", "seed"])
+def test_load_state_dict_rejects_another_seq_len_or_seed(key):
+    ds, _ = _stream_dataset()
+    state = _loader(ds).state_dict()
+    state[key] += 1
+    with pytest.raises(ValueError, match=key):
+        _loader(ds).load_state_dict(state)
+
+
+def test_too_little_data_names_the_numbers():
+    ds, _ = _stream_dataset(num_windows=6)
+    with pytest.raises(ValueError, match=r"6 samples.*local_batch_size\(2\) \* dp_world_size\(4\) = 8"):
+        _loader(ds, batch=2, world=4)
+
+
+def test_token_dataset_pickles_memmaps_as_paths(tmp_path):
+    tokens = np.arange(500, dtype=np.uint16)
+    ds = TokenDataset([read_shard(write_shard(tmp_path / "a.bin", tokens, header=True)), tokens[:7]],
+                      description="pickled")
+    payload = pickle.dumps(ds)
+    assert len(payload) < tokens.nbytes  # the shard travels as its path
+    clone = pickle.loads(payload)
+    np.testing.assert_array_equal(clone.window(0, clone.num_tokens), ds.window(0, ds.num_tokens))
+
+
+def test_bytes_dataset_uses_train_and_val_folders(tmp_path):
+    train = [np.full(50, i, dtype=np.uint16) for i in range(3)]
+    for i, t in enumerate(train):
+        write_shard(tmp_path / "train" / f"part_{i}.bin", t, header=i % 2 == 0)
+    write_shard(tmp_path / "val" / "part_0.bin", np.full(30, 9, dtype=np.uint16))
+    tr = build_bytes_dataset(str(tmp_path), split="train", seed=0)
+    np.testing.assert_array_equal(tr.window(0, tr.num_tokens), np.concatenate(train))
+    assert build_bytes_dataset(str(tmp_path), split="val", seed=0).num_tokens == 30
+
+
+def test_bytes_dataset_splits_by_file_name(tmp_path):
+    write_shard(tmp_path / "data_train_000.bin", np.zeros(40, dtype=np.uint16))
+    write_shard(tmp_path / "nested" / "data_val_000.bin", np.ones(20, dtype=np.uint16))
+    assert build_bytes_dataset(str(tmp_path), split="train", seed=0).num_tokens == 40
+    assert build_bytes_dataset(str(tmp_path), split="val", seed=0).num_tokens == 20
+
+
+def test_bytes_dataset_without_val_shards_is_a_one_line_error(tmp_path):
+    write_shard(tmp_path / "data_000.bin", np.zeros(40, dtype=np.uint16))
+    with pytest.raises(FileNotFoundError) as info:
+        build_bytes_dataset(str(tmp_path), split="val", seed=0)
+    assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_text_dataset_splits_documents(tmp_path):
+    docs = [f"document number {i} " * (i + 1) for i in range(45)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    parts = {s: build_text_dataset(str(tmp_path), split=s, seed=0) for s in ("train", "val")}
+    texts = {s: _documents(ds) for s, ds in parts.items()}
+    assert texts["val"] == [d for i, d in enumerate(docs) if i % 20 == 1]
+    assert texts["train"] == [d for i, d in enumerate(docs) if i % 20 != 1]
+    assert texts == {s: _documents(build_text_dataset(str(tmp_path), split=s, seed=7)) for s in parts}
+
+
+def test_text_dataset_cuts_a_single_document(tmp_path):
+    text = "one long document. " * 200
+    (tmp_path / "one.txt").write_text(text)
+    train = build_text_dataset(str(tmp_path / "one.txt"), split="train", seed=0)
+    val = build_text_dataset(str(tmp_path / "one.txt"), split="val", seed=0)
+    assert val.num_tokens > 0
+    joined = np.concatenate([train.window(0, train.num_tokens), val.window(0, val.num_tokens)])
+    np.testing.assert_array_equal(joined, np.array(encode(text), dtype=np.uint16))
+
+
+def _documents(ds: TokenDataset) -> list[str]:
+    """The decoded documents of a dataset, split at BOS."""
+    ids = ds.window(0, ds.num_tokens)
+    bos = encode("")[0]
+    return [decode(d) for d in np.split(ids, np.flatnonzero(ids == bos))[1:]]
+
+
+def test_mock_dataset_is_deterministic_and_seeded():
+    a = build_mock_dataset(None, split="train", seed=0)
+    b = build_mock_dataset(None, split="train", seed=0)
+    np.testing.assert_array_equal(a.window(0, a.num_tokens), b.window(0, b.num_tokens))
+    c = build_mock_dataset(None, split="train", seed=1)
+    assert not np.array_equal(a.window(0, 1000), c.window(0, 1000))
+    val = build_mock_dataset(None, split="val", seed=0)
+    assert 0 < val.num_tokens < a.num_tokens < 4 * 2**20
+    successors: dict[str, set[str]] = {}
+    for doc in _documents(a):
+        words = doc.rstrip(".").split(" ")
+        for prev, nxt in zip(words, words[1:]):
+            successors.setdefault(prev, set()).add(nxt)
+    assert len(successors) <= 512 and max(len(s) for s in successors.values()) <= 4  # learnable structure
+
+
+def test_builtin_corpus_builds_once_into_the_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPIDER_TITAN_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="spider_titan"):
+        train = build_builtin_dataset(None, split="train", seed=0)
+    assert any("building the built-in corpus" in r.getMessage() for r in caplog.records)
+    folder = tmp_path / "builtin_v1"
+    meta = read_metadata(folder)
+    assert meta["splits"]["train"]["tokens"] == train.num_tokens
+    assert meta["documents"] == meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]
+    assert meta["splits"]["val"]["documents"] == -(-meta["documents"] // 50)
+    assert [p.name for p in tmp_path.iterdir()] == ["builtin_v1"]  # no temp folder left behind
+    stamp = (folder / "metadata.json").stat().st_mtime_ns
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="spider_titan"):
+        val = build_builtin_dataset(None, split="val", seed=0)
+    assert not caplog.records
+    assert (folder / "metadata.json").stat().st_mtime_ns == stamp
+    assert val.num_tokens == meta["splits"]["val"]["tokens"]
+    assert "import" in decode(train.window(0, min(train.num_tokens, 200_000)))

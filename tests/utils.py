@@ -1,0 +1,37 @@
+"""Helpers to run the trainer's CLI in subprocesses and read what it logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_train(args: list[str], *, nprocs: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m spider_titan.train ARGS`` (under torchrun when nprocs > 1); output captured."""
+    if nprocs > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+               "-m", "spider_titan.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "spider_titan.train", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl`` a run wrote (training steps and validation rows)."""
+    path = Path(dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_losses(dump_folder: Path) -> dict[int, float]:
+    """step -> training loss, from ``metrics.jsonl``."""
+    return {row["step"]: row["loss"] for row in read_metrics(dump_folder) if "loss" in row}
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
