@@ -61,8 +61,9 @@ def max_rows(num_tokens: int, top_k: int, n_experts: int, align: int) -> int:
 def check_topk_idx(topk_idx: torch.Tensor, n_experts: int, align: int) -> torch.Tensor:
     """Validate ``build_map``'s inputs; return ``topk_idx`` as contiguous int64 ``(T, k)``.
 
-    The range check reads the values, which on an accelerator would wait on the host, so there it
-    is a device-side assert (``torch._assert_async``) instead of a ValueError.
+    The range check reads the values, which on an accelerator would wait on the host (and under
+    torch.compile would break the graph), so there it is a device-side assert
+    (``torch._assert_async``) instead of a ValueError.
     """
     if n_experts < 1 or align < 1:
         raise ValueError(f"MoE map: n_experts ({n_experts}) and align ({align}) must be >= 1")
@@ -74,7 +75,7 @@ def check_topk_idx(topk_idx: torch.Tensor, n_experts: int, align: int) -> torch.
     if topk_idx.numel() == 0:
         return topk_idx
     in_range = (topk_idx.min() >= 0) & (topk_idx.max() < n_experts)
-    if topk_idx.device.type == "cpu":
+    if topk_idx.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(in_range):
             raise ValueError(
                 f"MoE map: topk_idx values must lie in [0, {n_experts}), got "

@@ -1,0 +1,209 @@
+"""The MoE layer: router, dropless dispatch through a backend, grouped SwiGLU experts, combine.
+
+Pipeline (MOE.md): fp32 router -> softmax scores -> top-k on ``scores + expert_bias`` (selection
+only) -> gate weights from the unbiased scores, renormalised -> ``backend.build_map`` ->
+``backend.expand`` -> ``GroupedExperts`` -> ``backend.reduce``. Every token goes to its k experts
+(dropless: capacity-based dropping would let one sequence change another's logits), and nothing
+waits on the host, so the layer is CUDA-graph and ``torch.compile`` friendly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spider_titan.moe.base import MoEBackend
+from spider_titan.moe.torch_backend import TorchMoEBackend
+
+
+@torch.library.custom_op("spider_titan::grouped_mm", mutates_args=())
+def _grouped_mm_opaque(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` as one opaque op, for dtypes other than bf16 (see ``_raw_grouped_mm``)."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_opaque.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:  # (R, K) x (E, K, N) -> (R, N)
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # (K, R) x (R, N) -> (E, K, N)
+
+
+def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``, traceable by torch.compile in every dtype.
+
+    Its meta kernel accepts only bf16 (the CUDA kernel's rule) although the CPU kernel runs fp32 too,
+    so compiling an fp32 model (CPU debug runs) fails; other dtypes go through an opaque custom op.
+    """
+    if a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_opaque(a, b, offs)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(a (R, K), b (E, K, N), offs) -> (R, N)`` with a robust backward.
+
+    Two traps of the raw op: its backward rejects a stride-0 incoming gradient (what
+    ``out.sum().backward()`` produces), so the gradient is made contiguous here; and rows past
+    ``offs[-1]`` are never written, so the input gradient's rows there are zeroed.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return _raw_grouped_mm(a, b, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _zero_rows_past_end(_raw_grouped_mm(grad, b.transpose(-2, -1), offs), offs)
+        if ctx.needs_input_grad[1]:
+            grad_b = _raw_grouped_mm(a.transpose(-2, -1), grad, offs)  # (E, K, N)
+        return grad_a, grad_b, None
+
+
+def _zero_rows_past_end(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of ``t (R, n)`` at or past ``offs[-1]`` (a grouped GEMM leaves them unwritten)."""
+    used = torch.arange(t.shape[0], device=t.device) < offs[-1]  # (R,)
+    return torch.where(used.unsqueeze(-1), t, 0)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as 3-D weights so grouped GEMM and expert parallel shard dim 0.
+
+    ``forward(x_exp (R, dim), offs (E,) int32) -> (R, dim)``: expert e handles rows
+    ``offs[e-1]:offs[e]``; rows at or past ``offs[-1]`` come out zero. ``torch._grouped_mm``
+    needs 16-byte aligned strides, so ``dim`` and ``inter_dim`` must be multiples of 8.
+    """
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__()
+        if dim % 8 or inter_dim % 8:
+            raise ValueError(
+                f"GroupedExperts: dim ({dim}) and inter_dim ({inter_dim}) must be multiples of 8 "
+                "(torch._grouped_mm needs 16-byte aligned rows)"
+            )
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+
+    def _grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``a (R, K) @ b[e] (K, N)`` per row group; the float8 converter overrides this method."""
+        return _GroupedMM.apply(a, b, offs)
+
+    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        # Mask each product right away: garbage in unwritten rows would become NaN through
+        # silu' in the backward even behind a later mask (0 * NaN = NaN).
+        w1, w3, w2 = (w if w.dtype == x_exp.dtype else w.to(x_exp.dtype) for w in (self.w1, self.w3, self.w2))
+        gate = _zero_rows_past_end(self._grouped_mm(x_exp, w1, offs), offs)  # (R, inter)
+        up = _zero_rows_past_end(self._grouped_mm(x_exp, w3, offs), offs)  # (R, inter)
+        h = F.silu(gate) * up
+        return _zero_rows_past_end(self._grouped_mm(h, w2, offs), offs)  # (R, dim)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, std=init_std)
+        nn.init.trunc_normal_(self.w3, std=init_std)
+        nn.init.trunc_normal_(self.w2, std=out_std)
+
+
+@dataclass
+class MoEStats:
+    """Load-balance statistics of one MoE call, over real tokens only (``token_mask``).
+
+    aux_loss: scalar fp32, ``E * sum_i f_i * P_i`` (f_i: fraction of routed slots to expert i, no
+              gradient; P_i: mean router probability of expert i, with gradient). Equals 1 for a
+              perfectly uniform router.
+    counts:   (E,) fp32, detached: routed slots per expert, for load fractions and the
+              aux-loss-free bias update (all-reduce it over data/expert ranks before use).
+    """
+
+    aux_loss: torch.Tensor
+    counts: torch.Tensor
+
+
+class MoE(nn.Module):
+    """Dropless top-k MoE with SwiGLU experts and a pluggable dispatch backend.
+
+    ``forward(x (..., dim), token_mask (...) bool | None) -> (y (..., dim), MoEStats)``.
+    Masked tokens (padding) still pass through the experts (skipping them would need their count
+    on the host) but are left out of the load-balance statistics.
+
+    ``align`` pads each expert's row segment to a multiple (16 for fp8 grouped GEMM) and may be
+    changed after construction by a converter; ``backend`` may be swapped likewise.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        inter_dim: int,
+        *,
+        align: int = 1,
+        backend: MoEBackend | None = None,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"MoE: top_k ({top_k}) must be in [1, n_experts={n_experts}]")
+        self.dim = dim
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.align = align
+        self.backend = backend if backend is not None else TorchMoEBackend()
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, inter_dim)
+        # Aux-loss-free balancing (DeepSeek-V3): shifts which experts are selected, never the weights.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> scores (T, E) fp32, topk_idx (T, k), gate weights (T, k) fp32."""
+        logits = F.linear(x.float(), self.router.weight.float())  # (T, E)
+        scores = logits.softmax(dim=-1)
+        topk_idx = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices  # (T, k)
+        weights = scores.gather(1, topk_idx)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, topk_idx, weights
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
+        shape = x.shape
+        x2 = x.reshape(-1, self.dim)  # (T, dim)
+        scores, topk_idx, weights = self.route(x2)
+
+        rmap = self.backend.build_map(topk_idx, self.n_experts, self.align)
+        x_exp = self.backend.expand(x2, rmap)  # (R, dim)
+        y_exp = self.experts(x_exp, rmap.offs)  # (R, dim)
+        y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
+        return y.to(x.dtype).reshape(shape), self._stats(scores, topk_idx, token_mask)
+
+    def _stats(self, scores: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> MoEStats:
+        T = scores.shape[0]
+        if token_mask is None:
+            real = scores.new_ones(T)
+        else:
+            if token_mask.numel() != T:
+                raise ValueError(f"MoE: token_mask has {token_mask.numel()} entries for {T} tokens")
+            real = token_mask.reshape(T).to(scores.dtype)  # (T,)
+        slot_real = real.unsqueeze(-1).expand_as(topk_idx).reshape(-1)  # (T*k,)
+        counts = scores.new_zeros(self.n_experts).scatter_add_(0, topk_idx.reshape(-1), slot_real)  # (E,)
+        n_real = real.sum().clamp(min=1)
+        f = counts / (n_real * self.top_k)  # (E,)
+        p = (scores * real.unsqueeze(-1)).sum(0) / n_real  # (E,)
+        return MoEStats(aux_loss=self.n_experts * (f * p).sum(), counts=counts.detach())
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the over-loaded."""
+        counts = counts.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += rate * torch.sign(counts.mean() - counts)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.weight, std=init_std)
+        self.experts.init_weights(init_std, out_std)
+        self.expert_bias.zero_()
