@@ -55,6 +55,8 @@ class ModelSpec:
     block_containers: FQNs of the ModuleLists that hold the repeated blocks (FSDP units, AC and
                       compile targets), in forward order
     flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
+    recurrent_containers: the block containers applied several times per forward (a recurrent
+                      core); activation checkpointing's ``recurrent`` mode wraps these
     """
 
     name: str
@@ -63,6 +65,7 @@ class ModelSpec:
     model_cls: type
     block_containers: tuple[str, ...]
     flops_per_token: Callable[..., float]
+    recurrent_containers: tuple[str, ...] = ()
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
@@ -117,20 +120,27 @@ class SwiGLU(nn.Module):
 
 
 def rope_frequencies(head_dim: int, max_len: int, theta: float, device=None) -> torch.Tensor:
-    """Complex RoPE rotations ``(max_len, head_dim // 2)`` (fp32 angles, complex64)."""
+    """RoPE rotations as ``(max_len, head_dim // 2, 2)`` fp32 [cos, sin] pairs.
+
+    Real cos/sin instead of complex numbers: inductor generates no code for complex ops, so a
+    complex RoPE would fall back to eager inside every compiled block.
+    """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    t = torch.arange(max_len, device=device, dtype=torch.float32)
-    return torch.polar(torch.ones(max_len, head_dim // 2, device=device), torch.outer(t, inv))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, T, H, D) by ``freqs`` (T, D/2) complex, or (B, T, D/2) for per-row positions."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    if freqs.dim() == 2:
-        f = freqs[None, :, None, :]
-    else:
-        f = freqs[:, :, None, :]
-    return torch.view_as_real(xc * f).flatten(-2).type_as(x)
+    """Rotate ``x`` (B, T, H, D) by ``freqs`` (T, D/2, 2), or (B, T, D/2, 2) for per-row positions.
+
+    Consecutive pairs (x[2i], x[2i+1]) are rotated by angle i, computed in fp32.
+    """
+    f = freqs[None, :, None] if freqs.dim() == 3 else freqs[:, :, None]  # (B|1, T, 1, D/2, 2)
+    cos, sin = f[..., 0], f[..., 1]
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = xp[..., 0], xp[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
 
 
 def default_init_std(dim: int) -> float:

@@ -13,8 +13,10 @@ from torch import nn
 
 logger = logging.getLogger("spider_titan")
 
-# Parameters whose FQN contains one of these are tables, not weights to decay.
-_NO_DECAY_NAMES = ("embed_tokens", "loop_embedding", "engram.table", "engram.tables")
+# Parameters whose FQN contains one of these are not decayed: embedding tables (decaying rarely
+# used rows only shrinks them) and per-loop LoRA adapters (the adapters of loops a run never
+# reaches get no gradient, and decay alone would erode them).
+_NO_DECAY_NAMES = ("embed_tokens", "loop_embedding", "engram", "lora")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

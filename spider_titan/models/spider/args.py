@@ -1,0 +1,156 @@
+"""Hyper-parameters of the Spider model and its flavors (MODEL.md, "Flavors").
+
+Every field can be overridden from the ``[model]`` table of a TOML file or with
+``--model.<field> value``; ``validate()`` lists every inconsistency at once so the config
+loader can report them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpiderArgs:
+    # ---- width and attention (MLA, DeepSeek-V2)
+    dim: int = 128
+    """Model width (bytes, segments and the recurrent state all live in this width)."""
+    n_heads: int = 4
+    """Attention heads of every MLA layer."""
+    kv_lora_rank: int = 32
+    """MLA: width of the compressed key/value latent (``wkv_a`` output, before the rope part)."""
+    qk_nope_head_dim: int = 32
+    """MLA: per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 16
+    """MLA: per-head query/key width with rotary embedding (the key's rope part is shared by all heads)."""
+    v_head_dim: int = 32
+    """MLA: per-head value width."""
+
+    # ---- depth
+    n_prelude: int = 1
+    """Dense byte blocks before the boundary predictor (``prelude.layers``)."""
+    n_core: int = 2
+    """MoE blocks in the weight-shared recurrent core (``core.layers``), run once per loop."""
+    n_coda: int = 1
+    """Dense byte blocks after the upsample (``coda.layers``)."""
+    inter_dim: int = 256
+    """SwiGLU hidden width of the dense byte blocks."""
+
+    # ---- MoE (core blocks)
+    n_experts: int = 8
+    """Routed experts per core block."""
+    top_k: int = 2
+    """Experts each segment is routed to."""
+    moe_inter_dim: int = 64
+    """SwiGLU hidden width of one expert (a multiple of 8 for torch._grouped_mm)."""
+
+    # ---- Engram (hashed n-gram memory in the core)
+    engram_layers: list[int] = field(default_factory=lambda: [1])
+    """Indices of the core blocks (0-based) that carry an Engram between attention and MoE."""
+    engram_buckets: int = 1024
+    """Rows of each Engram lookup table (order-1 and order-2 tables alike)."""
+    engram_dim: int = 32
+    """Width of each Engram table row; the two lookups are concatenated (2 * engram_dim)."""
+
+    # ---- recurrence
+    n_loops: int = 2
+    """Core loops in training (and at eval unless the caller passes ``n_loops``)."""
+    max_loops: int = 4
+    """Most loops the model supports (loop embeddings and per-loop LoRA adapters exist for each)."""
+    lora_rank: int = 4
+    """Rank of the per-loop LoRA adapters on the core blocks' ``wq`` and ``wo``."""
+    act_epsilon: float = 0.01
+    """ACT: a segment halts once its cumulative halting probability reaches 1 - act_epsilon."""
+
+    # ---- FlexiTokens segmentation
+    target_bytes_per_segment: float = 4.0
+    """Compression the boundary hinge loss aims at (penalises boundary rates above 1/target)."""
+    max_segment_bytes: int = 16
+    """A boundary is forced whenever a segment would grow past this many bytes."""
+    boundary_temperature: float = 0.5
+    """Temperature of the relaxed-Bernoulli (Gumbel-sigmoid) boundary samples in training."""
+
+    # ---- loss weights
+    moe_aux_coeff: float = 0.01
+    """Weight of the MoE load-balancing loss (mean over core blocks and loops of E * sum f_i P_i)."""
+    boundary_coeff: float = 1.0
+    """Weight of the FlexiTokens boundary hinge loss."""
+    ponder_coeff: float = 0.01
+    """Weight of the ACT ponder loss (Graves' N + R, mean over real segments)."""
+
+    # ---- misc
+    rope_theta: float = 10000.0
+    """RoPE base (byte layers rotate by byte position, the core by segment index)."""
+    max_seq_len: int = 2048
+    """Longest input (in bytes) the model accepts; RoPE tables are computed per call up to T."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def validate(self) -> list[str]:
+        """Every inconsistency among the fields, one line each (empty when the args are usable)."""
+        out = []
+        for name in (
+            "dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "n_core", "inter_dim", "n_experts", "top_k", "moe_inter_dim", "engram_buckets", "engram_dim",
+            "n_loops", "max_loops", "lora_rank", "max_segment_bytes", "max_seq_len",
+        ):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: {getattr(self, name)} must be >= 1")
+        for name in ("n_prelude", "n_coda"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}: {getattr(self, name)} must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            out.append(f"qk_rope_head_dim: {self.qk_rope_head_dim} must be even for RoPE")
+        if self.n_loops > self.max_loops:
+            out.append(f"n_loops: {self.n_loops} > max_loops ({self.max_loops}); raise max_loops or lower n_loops")
+        if self.top_k > self.n_experts:
+            out.append(f"top_k: {self.top_k} > n_experts ({self.n_experts})")
+        if self.dim % 8 or self.moe_inter_dim % 8:
+            out.append(
+                f"dim ({self.dim}) and moe_inter_dim ({self.moe_inter_dim}) must be multiples of 8 "
+                "(grouped GEMM needs 16-byte aligned rows)"
+            )
+        bad = [j for j in self.engram_layers if not 0 <= j < self.n_core]
+        if bad:
+            out.append(f"engram_layers: {bad} are not core block indices 0..{self.n_core - 1}")
+        if self.target_bytes_per_segment < 1.0:
+            out.append(f"target_bytes_per_segment: {self.target_bytes_per_segment} must be >= 1")
+        if self.boundary_temperature <= 0:
+            out.append(f"boundary_temperature: {self.boundary_temperature} must be > 0")
+        if not 0.0 <= self.act_epsilon < 1.0:
+            out.append(f"act_epsilon: {self.act_epsilon} must be in [0, 1)")
+        for name in ("moe_aux_coeff", "boundary_coeff", "ponder_coeff"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}: {getattr(self, name)} must be >= 0")
+        return out
+
+
+SPIDER_FLAVORS: dict[str, SpiderArgs] = {
+    # ~1.0 M parameters: for CPU tests and the debug config.
+    "debug": SpiderArgs(),
+    # By MODEL.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
+    # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
+    # = 993.8 M (test_spider_params_flops pins it to 996 M +- 1 %).
+    "1B": SpiderArgs(
+        dim=2048,
+        n_heads=16,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_prelude=2,
+        n_core=6,
+        n_coda=2,
+        inter_dim=5632,
+        n_experts=32,
+        top_k=2,
+        moe_inter_dim=528,
+        engram_layers=[1, 4],
+        engram_buckets=32768,
+        engram_dim=512,
+        n_loops=6,
+        max_loops=12,
+        lora_rank=8,
+        max_seq_len=8192,
+    ),
+}

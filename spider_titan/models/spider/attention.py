@@ -1,0 +1,93 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 arXiv 2405.04434), causal.
+
+Queries come straight from ``wq`` (no query compression: the flavors have no q_lora_rank).
+Keys and values go through a low-rank latent: ``wkv_a`` maps x to ``kv_lora_rank`` latent
+channels plus one ``qk_rope_head_dim`` rotary key shared by every head; the latent is
+RMS-normalised (``kv_norm``) and expanded by ``wkv_b`` into per-head non-rotary keys and values.
+RoPE rotates only the rope parts. Softmax scale ``1/sqrt(qk_nope + qk_rope)``; causal SDPA.
+
+The same module serves the byte layers (positions = byte indices) and the core (positions =
+segment indices): the caller passes the rotation table. A core block may hand in per-loop LoRA
+deltas for the query and output projections; ``wq`` and ``wo`` stay plain ``nn.Linear`` so the
+float8 converter can swap them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spider_titan.models.common import apply_rope
+
+# x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
+Adapter = Callable[[torch.Tensor], torch.Tensor]
+
+
+class MLA(nn.Module):
+    """``forward(x (B, T, dim), freqs (T, rope/2) complex) -> (B, T, dim)``."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        norm_eps: float,
+    ):
+        super().__init__()
+        self.n_heads = n_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = 1.0 / math.sqrt(self.qk_head_dim)
+        self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        freqs: torch.Tensor,
+        q_adapter: Adapter | None = None,
+        o_adapter: Adapter | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.n_heads
+        q = self.wq(x)
+        if q_adapter is not None:
+            q = q + q_adapter(x)
+        q = q.view(b, t, h, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, freqs)], dim=-1)  # (B, T, H, qk)
+
+        kv_a = self.wkv_a(x)
+        c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), freqs)  # (B, T, 1, rope), shared by the heads
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(b, t, h, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(b, t, h, self.qk_rope_head_dim)], dim=-1)  # (B, T, H, qk)
+
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+        )  # (B, H, T, v)
+        out = out.transpose(1, 2).reshape(b, t, h * self.v_head_dim)
+        y = self.wo(out)
+        if o_adapter is not None:
+            y = y + o_adapter(out)
+        return y
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for lin in (self.wq, self.wkv_a, self.wkv_b):
+            nn.init.trunc_normal_(lin.weight, std=init_std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std)
+        self.kv_norm.reset_parameters()

@@ -1,0 +1,230 @@
+"""Spider: a byte-level recurrent-depth MoE transformer (the contract is MODEL.md).
+
+``forward(input_ids (B, T), labels (B, T) | None, n_loops | None) -> SpiderOutput``:
+
+1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
+2. ``boundary_predictor`` + forced boundaries -> segments (flexitokens.py)
+3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks with ACT, recurrence.py), on
+   ``(B, S, dim)`` with a segment mask; Engram bucket ids hashed from the bytes (engram.py)
+4. ``up_proj`` on the core output, causal ``upsample`` (byte t reads the segment that ended
+   before its own), added to the prelude residual
+5. ``coda`` (dense byte blocks) -> ``norm`` -> ``lm_head`` -> logits (B, T, 272)
+
+Losses: ``loss = lm_loss + aux_loss`` with ``aux_loss = moe_aux_coeff * moe_aux_loss +
+boundary_coeff * boundary_loss + ponder_coeff * ponder_loss`` (always computed, with or without
+labels). Labels equal to PAD are ignored like -100.
+
+Host syncs: one per forward (the largest segment count S); at eval one more per loop for the
+early exit.
+
+Initialisation (``init_weights()``, after ``to_empty``; there are no buffers: RoPE tables are
+computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
+* ``embed_tokens`` N(0, 1); input projections (``wq``, ``wkv_a``, ``wkv_b``, SwiGLU/expert ``w1``,
+  ``w3``, MoE router, ``inject``, Engram ``key_proj``, boundary ``proj``/``out``) trunc-normal 0.02;
+* residual outputs (``wo``, ``w2``, expert ``w2``, Engram ``value_proj``, ``up_proj``) trunc-normal
+  ``0.02 / sqrt(2 * depth)`` with depth = n_prelude + n_core * n_loops + n_coda, the number of
+  residual blocks a byte's state passes through in training;
+* ``lm_head`` trunc-normal ``dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
+  bias (``logit(1/target_bytes_per_segment)``) and the halting bias (recurrence.py);
+* zero: LoRA B matrices, ``loop_embedding``, Engram tables (MODEL.md); LoRA A N(0, 1/in_features);
+  ``decay_lambda`` 0 (a = 1/2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spider_titan.models.common import (
+    IGNORE_INDEX,
+    PAD_ID,
+    VOCAB_SIZE,
+    ModelOutput,
+    ModelSpec,
+    SwiGLU,
+    default_init_std,
+    depth_scaled_std,
+    lm_loss_mean,
+    rope_frequencies,
+)
+from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
+from spider_titan.models.spider.attention import MLA
+from spider_titan.models.spider.engram import engram_bucket_ids
+from spider_titan.models.spider.flexitokens import (
+    BoundaryPredictor,
+    boundary_loss,
+    downsample,
+    segment_bytes,
+    upsample,
+)
+from spider_titan.models.spider.flops import spider_flops_per_byte
+from spider_titan.models.spider.recurrence import RecurrentCore
+
+
+@dataclass
+class SpiderOutput(ModelOutput):
+    """``ModelOutput`` of Spider. ``aux`` holds detached scalars: ``lm_loss`` (with labels),
+    ``moe_aux_loss``, ``boundary_loss``, ``ponder_loss``, ``bytes_per_segment`` (real bytes per
+    real segment over the batch), ``mean_loops`` (mean ACT halting loop over real segments),
+    ``loops_run`` (core loops computed: what the FLOPs depend on), ``expert_load_min`` and
+    ``expert_load_max`` (fractions of routed slots over all MoE layers and loops)."""
+
+
+class DenseBlock(nn.Module):
+    """Pre-RMSNorm byte block: ``x += attention(attention_norm(x)); x += feed_forward(ffn_norm(x))``."""
+
+    def __init__(self, args: SpiderArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MLA(
+            args.dim, args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
+            args.v_head_dim, args.norm_eps,
+        )
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = SwiGLU(args.dim, args.inter_dim)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+        self.ffn_norm.reset_parameters()
+        self.feed_forward.init_weights(init_std, out_std)
+
+
+class ByteStack(nn.Module):
+    """A stack of dense byte blocks (``prelude`` / ``coda``); blocks live in ``layers``."""
+
+    def __init__(self, args: SpiderArgs, n_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(DenseBlock(args) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x, freqs)
+        return x
+
+
+class Spider(nn.Module):
+    """The Spider model (module docstring); a plain nn.Module that builds on the meta device."""
+
+    def __init__(self, args: SpiderArgs):
+        super().__init__()
+        problems = args.validate()
+        if problems:
+            raise ValueError("SpiderArgs: " + "; ".join(problems))
+        self.args = args
+        self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
+        self.prelude = ByteStack(args, args.n_prelude)
+        self.boundary_predictor = BoundaryPredictor(args.dim)
+        self.core = RecurrentCore(args)
+        self.up_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.coda = ByteStack(args, args.n_coda)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, VOCAB_SIZE, bias=False)
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter in place (see the module docstring for the choices)."""
+        a = self.args
+        init_std = default_init_std(a.dim)
+        out_std = depth_scaled_std(a.n_prelude + a.n_core * a.n_loops + a.n_coda)
+        nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        for block in list(self.prelude.layers) + list(self.coda.layers):
+            block.init_weights(init_std, out_std)
+        self.boundary_predictor.init_weights(init_std, a.target_bytes_per_segment)
+        self.core.init_weights(init_std, out_std)
+        nn.init.trunc_normal_(self.up_proj.weight, std=out_std)
+        self.norm.reset_parameters()
+        nn.init.trunc_normal_(self.lm_head.weight, std=a.dim**-0.5)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        n_loops: int | None = None,
+    ) -> SpiderOutput:
+        a = self.args
+        B, T = input_ids.shape
+        if T > a.max_seq_len:
+            raise ValueError(f"sequence length {T} > max_seq_len {a.max_seq_len}; raise model.max_seq_len")
+        n_loops = a.n_loops if n_loops is None else int(n_loops)
+        if not 1 <= n_loops <= a.max_loops:
+            raise ValueError(f"n_loops: {n_loops} must be in [1, max_loops={a.max_loops}]")
+        device = input_ids.device
+        freqs = rope_frequencies(a.qk_rope_head_dim, T, a.rope_theta, device=device)  # (T, rope/2, 2)
+
+        x = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
+        seg = segment_bytes(
+            self.boundary_predictor(x),
+            input_ids,
+            training=self.training,
+            temperature=a.boundary_temperature,
+            max_segment_bytes=a.max_segment_bytes,
+        )
+        S = seg.num_segments
+        core = self.core(
+            downsample(x, seg),  # (B, S, dim)
+            n_loops=n_loops,
+            freqs=freqs[:S],
+            bucket_ids=engram_bucket_ids(input_ids, seg, a.engram_buckets, a.max_segment_bytes),
+            seg_real=seg.seg_real,
+            seg_valid=seg.seg_valid,
+            early_exit=not self.training,
+        )
+        x = x + upsample(self.up_proj(core.output), seg)  # (B, T, dim)
+        logits = self.lm_head(self.norm(self.coda(x, freqs)))  # (B, T, VOCAB_SIZE)
+
+        b_loss = boundary_loss(seg, a.target_bytes_per_segment)
+        aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss + a.ponder_coeff * core.ponder_loss
+        load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
+        real_bytes = (input_ids != PAD_ID).sum().float()
+        aux = {
+            "moe_aux_loss": core.moe_aux_loss.detach(),
+            "boundary_loss": b_loss.detach(),
+            "ponder_loss": core.ponder_loss.detach(),
+            "bytes_per_segment": real_bytes / seg.seg_real.sum().float().clamp(min=1.0),
+            "mean_loops": core.mean_loops,
+            "loops_run": torch.full((), float(core.loops_run), device=device),
+            "expert_load_min": load.min(),
+            "expert_load_max": load.max(),
+        }
+        loss = None
+        if labels is not None:
+            lm_loss = lm_loss_mean(logits, labels.masked_fill(labels == PAD_ID, IGNORE_INDEX))
+            aux["lm_loss"] = lm_loss.detach()
+            loss = lm_loss + aux_loss
+        return SpiderOutput(logits=logits, loss=loss, aux_loss=aux_loss, aux=aux)
+
+
+def parameter_breakdown(model: Spider) -> dict[str, int]:
+    """Parameter counts by part (MODEL.md's breakdown), plus ``total``."""
+    parts = {"dense blocks": 0, "core blocks": 0, "engram": 0, "lora": 0, "rest": 0}
+    for name, p in model.named_parameters():
+        if ".engram." in name:
+            key = "engram"
+        elif ".lora." in name:
+            key = "lora"
+        elif name.startswith(("prelude.layers.", "coda.layers.")):
+            key = "dense blocks"
+        elif name.startswith("core.layers."):
+            key = "core blocks"
+        else:
+            key = "rest"
+        parts[key] += p.numel()
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+SPIDER_SPEC = ModelSpec(
+    name="spider",
+    args_cls=SpiderArgs,
+    flavors=SPIDER_FLAVORS,
+    model_cls=Spider,
+    block_containers=("prelude.layers", "core.layers", "coda.layers"),
+    flops_per_token=spider_flops_per_byte,
+    recurrent_containers=("core.layers",),
+)

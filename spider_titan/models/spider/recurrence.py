@@ -1,0 +1,265 @@
+"""The recurrent core: weight-shared MoE blocks looped over the segments, with adaptive halting.
+
+References: Geiping et al. 2025 (arXiv 2502.05171, input injection every loop); Bae et al. 2024
+(arXiv 2410.20672, per-loop LoRA in recursive transformers); Graves 2016 (arXiv 1603.08983, ACT).
+
+Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h_0 = 0``:
+
+1. LTI injection ``h = a * h + inject(s)`` with ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim,
+   a stable learnable diagonal; ``inject(s)`` is computed once and reused by every loop.
+   ``decay_lambda`` starts at 0, i.e. ``a = 1/2``: each loop keeps half of the previous state.
+2. ``h = h + loop_embedding[i]`` (zero-initialised).
+3. Each core block j: ``h += attn(attention_norm(h))`` (MLA, causal over segments, RoPE by segment
+   index, loop i's LoRA on ``wq``/``wo``); Engram at the blocks in ``engram_layers``
+   (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
+   token mask (padding segments are computed but left out of the load statistics).
+4. ACT: the loop's state is ``y_i = norm(h)`` (an RMSNorm so the output scale does not grow with
+   the loop count), ``p_i = sigmoid(halt_predictor(y_i))``. A running segment halts at loop i
+   when ``cum + p_i >= 1 - act_epsilon`` or at the last loop; its weight there is the remainder
+   ``R = 1 - cum``, before that ``p_i``, after that 0. The core output is ``sum_i w_i y_i`` (fp32
+   accumulation). ``ponder_loss`` = Graves' ``N + R`` (N = halting loop, 1-based; the gradient
+   flows through R) averaged over real segments. Halted segments keep being updated (later
+   segments still attend to them) but their output is frozen, so how long the batch keeps
+   looping never changes an already-halted segment's output.
+5. Eval only: after a loop in which every existing segment has halted, stop (one host sync per
+   loop). ``n_loops`` may go up to ``max_loops`` at eval (test-time compute).
+
+Reported: ``mean_loops`` = mean halting loop N over real segments (the ACT depth the segments
+used); ``loops_run`` = loops actually computed (``n_loops`` in training, fewer at eval after an
+early exit) — the number that sets the core's FLOPs.
+
+The halting predictor starts with tiny weights (std 0.1/sqrt(dim), so initial logits stay within
+about +-0.1 of the bias) and bias ``-log(n_loops - 1)``, i.e. ``p = 1/n_loops``: at init every
+training loop is used and the output is close to the uniform average of the loop states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spider_titan.moe.layer import MoE
+from spider_titan.models.spider.args import SpiderArgs
+from spider_titan.models.spider.attention import MLA
+from spider_titan.models.spider.engram import Engram
+
+
+class LoopLoRA(nn.Module):
+    """Rank-r adapters on a core block's ``wq`` and ``wo``, one pair per loop index < max_loops.
+
+    Stored stacked (``wq_a [L, dim, r]``, ``wq_b [L, r, q_out]``, ``wo_a [L, o_in, r]``,
+    ``wo_b [L, r, dim]``) so a block's FSDP unit holds all of them and the loop index is a plain
+    index. ``delta(x) = (x @ A[i]) @ B[i]`` with no extra scale; A ~ N(0, 1/in_features) so
+    ``x @ A`` has unit scale for unit-RMS inputs, B = 0 so loop i starts as the shared block.
+    """
+
+    def __init__(self, max_loops: int, dim: int, q_out: int, o_in: int, rank: int):
+        super().__init__()
+        self.wq_a = nn.Parameter(torch.empty(max_loops, dim, rank))
+        self.wq_b = nn.Parameter(torch.empty(max_loops, rank, q_out))
+        self.wo_a = nn.Parameter(torch.empty(max_loops, o_in, rank))
+        self.wo_b = nn.Parameter(torch.empty(max_loops, rank, dim))
+
+    def q_delta(self, x: torch.Tensor, loop: int) -> torch.Tensor:
+        return (x @ self.wq_a[loop].to(x.dtype)) @ self.wq_b[loop].to(x.dtype)
+
+    def o_delta(self, x: torch.Tensor, loop: int) -> torch.Tensor:
+        return (x @ self.wo_a[loop].to(x.dtype)) @ self.wo_b[loop].to(x.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.wq_a, std=self.wq_a.shape[1] ** -0.5)
+        nn.init.normal_(self.wo_a, std=self.wo_a.shape[1] ** -0.5)
+        nn.init.zeros_(self.wq_b)
+        nn.init.zeros_(self.wo_b)
+
+
+class CoreBlock(nn.Module):
+    """One weight-shared core block (MLA + per-loop LoRA, optional Engram, MoE).
+
+    ``forward(h (B, S, dim), loop, freqs, bucket_ids (B, S, 2), seg_mask (B, S))
+    -> (h, moe_aux_loss (scalar), moe_counts (E,))``; tensors only, so activation checkpointing
+    and torch.compile can wrap it as is.
+    """
+
+    def __init__(self, args: SpiderArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MLA(
+            args.dim, args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
+            args.v_head_dim, args.norm_eps,
+        )
+        self.lora = LoopLoRA(
+            args.max_loops,
+            args.dim,
+            args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim),
+            args.n_heads * args.v_head_dim,
+            args.lora_rank,
+        )
+        if layer_id in args.engram_layers:
+            self.engram = Engram(args.dim, args.engram_buckets, args.engram_dim, args.norm_eps)
+        else:
+            self.engram = None
+        self.moe_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(args.dim, args.n_experts, args.top_k, args.moe_inter_dim)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        loop: int,
+        freqs: torch.Tensor,
+        bucket_ids: torch.Tensor,
+        seg_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = h + self.attention(
+            self.attention_norm(h),
+            freqs,
+            q_adapter=lambda x: self.lora.q_delta(x, loop),
+            o_adapter=lambda x: self.lora.o_delta(x, loop),
+        )
+        if self.engram is not None:
+            h = h + self.engram(h, bucket_ids)
+        y, stats = self.moe(self.moe_norm(h), token_mask=seg_mask)
+        return h + y, stats.aux_loss, stats.counts
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+        self.lora.init_weights()
+        if self.engram is not None:
+            self.engram.init_weights(init_std, out_std)
+        self.moe_norm.reset_parameters()
+        self.moe.init_weights(init_std, out_std)
+
+
+@dataclass
+class HaltingState:
+    """Graves' ACT bookkeeping for (B, S) segments, all fp32 (bool for ``halted``).
+
+    cum:       halting probability spent by running segments (sum of p over their earlier loops)
+    halted:    the segment has halted
+    n_used:    N, the loop (1-based) at which it halted (0 while running)
+    remainder: R = 1 - cum at the halting loop (carries the ponder gradient)
+    """
+
+    cum: torch.Tensor
+    halted: torch.Tensor
+    n_used: torch.Tensor
+    remainder: torch.Tensor
+
+    @classmethod
+    def start(cls, B: int, S: int, device: torch.device) -> HaltingState:
+        z = torch.zeros(B, S, dtype=torch.float32, device=device)
+        return cls(cum=z, halted=torch.zeros(B, S, dtype=torch.bool, device=device), n_used=z, remainder=z)
+
+    def step(self, p: torch.Tensor, loop: int, *, last: bool, epsilon: float) -> torch.Tensor:
+        """Advance by loop ``loop`` (0-based) with halting probabilities ``p (B, S)``; returns the
+        loop's output weights: ``p`` while running, the remainder ``1 - cum`` on the halting loop
+        (when ``cum + p >= 1 - epsilon``, or the last loop), 0 after."""
+        running = ~self.halted
+        halt_now = running if last else running & (self.cum + p >= 1.0 - epsilon)
+        zero = torch.zeros_like(p)
+        w = torch.where(halt_now, 1.0 - self.cum, torch.where(running, p, zero))
+        self.remainder = torch.where(halt_now, 1.0 - self.cum, self.remainder)
+        self.n_used = torch.where(halt_now, torch.full_like(p, loop + 1), self.n_used)
+        self.cum = self.cum + torch.where(running & ~halt_now, p, zero)
+        self.halted = self.halted | halt_now
+        return w
+
+
+@dataclass
+class CoreOutput:
+    """What the recurrent core hands back to the model.
+
+    output:       (B, S, dim) halting-weighted sum of the per-loop states (model dtype)
+    moe_aux_loss: scalar fp32, mean over (block, loop) calls of E * sum f_i P_i
+    moe_counts:   (E,) fp32 routed slots per expert, summed over blocks and loops (detached)
+    ponder_loss:  scalar fp32, Graves' N + R averaged over real segments
+    mean_loops:   scalar fp32, mean halting loop N over real segments (detached)
+    loops_run:    loops actually computed (host int)
+    """
+
+    output: torch.Tensor
+    moe_aux_loss: torch.Tensor
+    moe_counts: torch.Tensor
+    ponder_loss: torch.Tensor
+    mean_loops: torch.Tensor
+    loops_run: int
+
+
+class RecurrentCore(nn.Module):
+    """The looped core stack with LTI input injection, loop embeddings and ACT (module docstring)."""
+
+    def __init__(self, args: SpiderArgs):
+        super().__init__()
+        self.args = args
+        self.layers = nn.ModuleList(CoreBlock(args, j) for j in range(args.n_core))
+        self.inject = nn.Linear(args.dim, args.dim, bias=False)
+        self.decay_lambda = nn.Parameter(torch.empty(args.dim))
+        self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.halt_predictor = nn.Linear(args.dim, 1)
+
+    def forward(
+        self,
+        s: torch.Tensor,
+        *,
+        n_loops: int,
+        freqs: torch.Tensor,
+        bucket_ids: torch.Tensor,
+        seg_real: torch.Tensor,
+        seg_valid: torch.Tensor,
+        early_exit: bool,
+    ) -> CoreOutput:
+        B, S, _ = s.shape
+        injected = self.inject(s)  # (B, S, dim), the same every loop
+        decay = torch.exp(-F.softplus(self.decay_lambda.float())).to(s.dtype)  # (dim,) in (0, 1)
+        loop_emb = self.loop_embedding.weight
+
+        act = HaltingState.start(B, S, s.device)
+        out = s.new_zeros(B, S, s.shape[-1], dtype=torch.float32)
+        aux_sum = s.new_zeros((), dtype=torch.float32)
+        counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
+
+        loops_run = 0
+        for i in range(n_loops):
+            h = injected if i == 0 else decay * h + injected  # h_0 = 0
+            h = h + loop_emb[i].to(h.dtype)
+            for block in self.layers:
+                h, aux, cnt = block(h, i, freqs, bucket_ids, seg_real)
+                aux_sum = aux_sum + aux
+                counts = counts + cnt
+            loops_run += 1
+
+            y = self.norm(h)
+            p = torch.sigmoid(self.halt_predictor(y).squeeze(-1).float())  # (B, S)
+            w = act.step(p, i, last=i == n_loops - 1, epsilon=self.args.act_epsilon)
+            out = out + w.unsqueeze(-1) * y.float()
+            if early_exit and i < n_loops - 1 and bool((act.halted | ~seg_valid).all()):
+                break
+
+        real = seg_real.float()
+        n_real = real.sum().clamp(min=1.0)
+        return CoreOutput(
+            output=out.to(s.dtype),
+            moe_aux_loss=aux_sum / (loops_run * len(self.layers)),
+            moe_counts=counts,
+            ponder_loss=((act.n_used + act.remainder) * real).sum() / n_real,
+            mean_loops=((act.n_used * real).sum() / n_real).detach(),
+            loops_run=loops_run,
+        )
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for block in self.layers:
+            block.init_weights(init_std, out_std)
+        nn.init.trunc_normal_(self.inject.weight, std=init_std)
+        nn.init.zeros_(self.decay_lambda)  # a = exp(-softplus(0)) = 1/2
+        nn.init.zeros_(self.loop_embedding.weight)
+        self.norm.reset_parameters()
+        nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
+        n = self.args.n_loops
+        nn.init.constant_(self.halt_predictor.bias, -math.log(n - 1) if n > 1 else 0.0)

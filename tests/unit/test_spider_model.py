@@ -1,0 +1,426 @@
+"""Spider model: causality, segmentation / hashing / pooling / ACT against plain-Python references,
+edge cases (ragged segmentations, PAD, idle experts, loops at eval, early exit), losses, init.
+
+All on the debug flavor, CPU, fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import spider_titan.models.spider.model as spider_model
+from spider_titan.models.common import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
+from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+from spider_titan.models.spider import engram as engram_mod
+from spider_titan.models.spider.flexitokens import downsample, segment_bytes, upsample
+from spider_titan.models.spider.recurrence import HaltingState
+
+DEBUG = SPIDER_FLAVORS["debug"]
+
+
+def build(seed: int = 0, **overrides) -> Spider:
+    """The framework's path: build on meta, materialise, init_weights."""
+    args = dataclasses.replace(DEBUG, **overrides)
+    with torch.device("meta"):
+        model = Spider(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def sample_ids(seed: int, B: int = 2, T: int = 40) -> torch.Tensor:
+    """Random bytes with documents (BOS ... EOS BOS ...) and a PAD tail on the last row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    ids[:, 0] = BOS_ID
+    ids[0, T // 2] = EOS_ID
+    ids[0, T // 2 + 1] = BOS_ID
+    ids[-1, T - 7 :] = PAD_ID
+    return ids
+
+
+def content_predictor(h: torch.Tensor) -> torch.Tensor:
+    """A boundary predictor that depends on the (causal) prelude state: ragged segments that move
+    when the bytes change."""
+    return 4.0 * h[..., 0].float()
+
+
+def constant_predictor(value: float):
+    return lambda h: torch.full(h.shape[:-1], value, dtype=torch.float32)
+
+
+def set_halt_bias(model: Spider, value: float) -> None:
+    with torch.no_grad():
+        model.core.halt_predictor.bias.fill_(value)
+
+
+def run_logits(model: Spider, ids: torch.Tensor, *, train: bool, seed: int) -> torch.Tensor:
+    model.train(train)
+    torch.manual_seed(seed)  # same Gumbel noise in both forwards
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# ------------------------------------------------------------------------------------- causality
+
+
+def causality_gaps(model: Spider, ids: torch.Tensor, *, train: bool, seed: int, positions) -> list[tuple]:
+    """For each u: (largest change of logits before u, largest change at or after u) when byte u changes."""
+    base = run_logits(model, ids, train=train, seed=seed)
+    g = torch.Generator().manual_seed(1000 + seed)
+    out = []
+    for u in positions:
+        changed = ids.clone()
+        changed[:, u] = (ids[:, u] + 1 + torch.randint(0, 250, (ids.shape[0],), generator=g)) % 256
+        logits = run_logits(model, changed, train=train, seed=seed)
+        before = (logits[:, :u] - base[:, :u]).abs().max().item() if u > 0 else 0.0
+        after = (logits[:, u:] - base[:, u:]).abs().max().item()
+        out.append((u, before, after))
+    return out
+
+
+@pytest.mark.parametrize("predictor", ["learned", "content", "every_byte"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_causality(monkeypatch, predictor, train):
+    model = build(seed=1)
+    if predictor == "content":
+        monkeypatch.setattr(model.boundary_predictor, "forward", content_predictor)
+    elif predictor == "every_byte":
+        monkeypatch.setattr(model.boundary_predictor, "forward", constant_predictor(20.0))
+    for seed in range(3):
+        ids = sample_ids(seed)
+        for u, before, after in causality_gaps(model, ids, train=train, seed=seed, positions=[0, 3, 11, 19, 26, 33, 39]):
+            assert before < 1e-5, f"seed {seed}, u={u}: logits before u moved by {before}"
+            assert after > 1e-4, f"seed {seed}, u={u}: changing byte u changed nothing (vacuous test)"
+
+
+def test_causality_check_catches_a_missing_shift(monkeypatch):
+    """The same check flags a model whose upsample lets a byte read its own segment."""
+
+    def leaky_upsample(y, seg):
+        own = seg.seg_id[:, :, None] == torch.arange(seg.num_segments)[None, None, :]
+        return torch.bmm(own.to(y.dtype), y)
+
+    model = build(seed=1)
+    monkeypatch.setattr(spider_model, "upsample", leaky_upsample)
+    gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
+    assert max(before for _, before, _ in gaps) > 1e-3
+
+
+# ------------------------------------------------------------------- segmentation vs reference
+
+
+def reference_boundaries(ids: list[int], decide: list[bool], max_bytes: int) -> list[bool]:
+    """The rules of flexitokens.py, applied byte by byte."""
+    out, run, T = [], 0, len(ids)
+    for t in range(T):
+        run += 1
+        pad = ids[t] == PAD_ID
+        next_pad = t + 1 < T and ids[t + 1] == PAD_ID
+        b = (decide[t] and not pad) or ids[t] in (BOS_ID, EOS_ID) or pad != next_pad or t == T - 1 or run == max_bytes
+        out.append(b)
+        if b:
+            run = 0
+    return out
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 1.0])
+def test_segmentation_matches_reference(rate):
+    g = torch.Generator().manual_seed(7)
+    B, T, L = 4, 90, 6
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    ids[:, 0] = BOS_ID
+    ids[1, 30] = EOS_ID
+    ids[1, 31] = BOS_ID
+    ids[2, 60:] = PAD_ID  # right padding, longer than L
+    ids[3, 10:25] = PAD_ID  # a PAD run in the middle
+    ids[3, :3] = PAD_ID  # left padding
+    decide = torch.rand(B, T, generator=g) < rate
+    logits = torch.where(decide, 5.0, -5.0)
+    seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=L)
+
+    ref = [reference_boundaries(ids[b].tolist(), decide[b].tolist(), L) for b in range(B)]
+    assert seg.boundaries.tolist() == ref
+    assert seg.num_segments == max(sum(r) for r in ref)
+    for b in range(B):
+        seg_id, pos, k, start = [], [], 0, 0
+        ends = [t for t in range(T) if ref[b][t]]
+        for t in range(T):
+            seg_id.append(k)
+            pos.append(t - start)
+            if ref[b][t]:
+                k, start = k + 1, t + 1
+        assert seg.seg_id[b].tolist() == seg_id
+        assert seg.pos_in_seg[b].tolist() == pos
+        assert max(pos) < L
+        n = len(ends)
+        assert seg.ends[b, :n].tolist() == ends
+        assert seg.seg_valid[b].tolist() == [s < n for s in range(seg.num_segments)]
+        real = [s < n and ids[b, ends[s]].item() != PAD_ID for s in range(seg.num_segments)]
+        assert seg.seg_real[b].tolist() == real
+        # no segment mixes PAD and real bytes
+        for s in range(n):
+            lo = ends[s - 1] + 1 if s else 0
+            kinds = {ids[b, t].item() == PAD_ID for t in range(lo, ends[s] + 1)}
+            assert len(kinds) == 1
+
+
+def test_pooling_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    B, T, D = 2, 30, 8
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    ids[1, 20:] = PAD_ID
+    logits = torch.randn(B, T, generator=g) * 3
+    seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=5)
+    x = torch.randn(B, T, D, generator=g)
+    s = downsample(x, seg)
+    y = torch.randn(B, seg.num_segments, D, generator=g)
+    up = upsample(y, seg)
+    for b in range(B):
+        for k in range(seg.num_segments):
+            members = [t for t in range(T) if seg.seg_id[b, t] == k]
+            want = x[b, members].mean(0) if members else torch.zeros(D)
+            torch.testing.assert_close(s[b, k], want)
+        for t in range(T):
+            k = seg.seg_id[b, t].item()
+            want = y[b, k - 1] if k > 0 else torch.zeros(D)
+            torch.testing.assert_close(up[b, t], want)
+
+
+def test_engram_hash_matches_reference():
+    P, BASE, PAIR = engram_mod._P, engram_mod._BASE, engram_mod._PAIR
+    g = torch.Generator().manual_seed(5)
+    B, T, L, n_buckets = 2, 50, 7, 1024
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    ids[0, 10:17] = ids[0, 30:37]  # a repeated chunk
+    seg = segment_bytes(torch.randn(B, T, generator=g) * 2, ids, training=False, temperature=0.5, max_segment_bytes=L)
+    got = engram_mod.engram_bucket_ids(ids, seg, n_buckets, L)
+    for b in range(B):
+        ends = [t for t in range(T) if seg.boundaries[b, t]]
+        prev, lo = 0, 0
+        for k, end in enumerate(ends):
+            chunk = ids[b, lo : end + 1].tolist()
+            h1 = sum((c + 1) * pow(BASE, j, P) for j, c in enumerate(chunk)) % P
+            h2 = (prev * PAIR + h1 + 1) % P
+            want = [(h1 * engram_mod._MIX[0] + engram_mod._ADD[0]) % P % n_buckets,
+                    (h2 * engram_mod._MIX[1] + engram_mod._ADD[1]) % P % n_buckets]
+            assert got[b, k].tolist() == want
+            prev, lo = h1, end + 1
+
+
+# --------------------------------------------------------------------------------- ACT reference
+
+
+def reference_act(ps: list[float], eps: float) -> tuple[list[float], int, float]:
+    cum, weights = 0.0, []
+    for i, p in enumerate(ps):
+        if cum + p >= 1 - eps or i == len(ps) - 1:
+            weights.append(1 - cum)
+            return weights + [0.0] * (len(ps) - i - 1), i + 1, 1 - cum
+        weights.append(p)
+        cum += p
+    raise AssertionError("unreachable")
+
+
+def test_halting_matches_reference():
+    g = torch.Generator().manual_seed(11)
+    B, S, n, eps = 3, 7, 5, 0.01
+    ps = torch.rand(n, B, S, generator=g) ** 2
+    ps[:, 0, 0] = 1.0  # halts on the first loop
+    ps[:, 0, 1] = 0.0  # never halts early
+    state = HaltingState.start(B, S, torch.device("cpu"))
+    weights = torch.stack([state.step(ps[i], i, last=i == n - 1, epsilon=eps) for i in range(n)])
+    for b in range(B):
+        for s in range(S):
+            w, N, R = reference_act(ps[:, b, s].tolist(), eps)
+            torch.testing.assert_close(weights[:, b, s], torch.tensor(w))
+            assert state.n_used[b, s].item() == N
+            torch.testing.assert_close(state.remainder[b, s], torch.tensor(R))
+    torch.testing.assert_close(weights.sum(0), torch.ones(B, S))
+
+
+# ------------------------------------------------------------------------------ losses and aux
+
+
+def test_forward_losses_and_aux():
+    model = build()
+    ids = sample_ids(0, B=3, T=48)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    torch.manual_seed(0)
+    out = model(ids, labels=labels)
+    a = model.args
+    assert out.logits.shape == (3, 48, VOCAB_SIZE)
+    for key in ("lm_loss", "moe_aux_loss", "boundary_loss", "ponder_loss", "bytes_per_segment",
+                "mean_loops", "loops_run", "expert_load_min", "expert_load_max"):
+        assert out.aux[key].dim() == 0 and torch.isfinite(out.aux[key]), key
+    want_aux = a.moe_aux_coeff * out.aux["moe_aux_loss"] + a.boundary_coeff * out.aux["boundary_loss"] \
+        + a.ponder_coeff * out.aux["ponder_loss"]
+    torch.testing.assert_close(out.aux_loss.detach(), want_aux)
+    torch.testing.assert_close(out.loss.detach(), out.aux["lm_loss"] + want_aux)
+    assert out.aux["expert_load_min"] <= 1 / a.n_experts <= out.aux["expert_load_max"]
+    assert 1.0 <= out.aux["bytes_per_segment"] <= a.max_segment_bytes
+    assert out.aux["loops_run"] == a.n_loops
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+    # Without labels: no loss, the same auxiliary part.
+    torch.manual_seed(0)
+    bare = model(ids)
+    assert bare.loss is None and "lm_loss" not in bare.aux
+    torch.testing.assert_close(bare.aux_loss, out.aux_loss)
+
+
+def test_pad_labels_are_ignored():
+    model = build().eval()
+    ids = sample_ids(0)
+    labels = torch.roll(ids, -1, dims=1)
+    as_pad = model(ids, labels=labels).loss
+    as_ignore = model(ids, labels=labels.masked_fill(labels == PAD_ID, IGNORE_INDEX)).loss
+    torch.testing.assert_close(as_pad, as_ignore)
+
+
+@pytest.mark.parametrize("predictor", [20.0, -20.0], ids=["every_byte", "forced_only"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_extreme_segmentations(monkeypatch, predictor, train):
+    model = build().train(train)
+    monkeypatch.setattr(model.boundary_predictor, "forward", constant_predictor(predictor))
+    ids = sample_ids(2, B=2, T=45)
+    labels = torch.roll(ids, -1, dims=1)
+    out = model(ids, labels=labels)
+    assert torch.isfinite(out.loss) and torch.isfinite(out.logits).all()
+    n_real_bytes = (ids != PAD_ID).sum().item()
+    decide = [[predictor > 0] * ids.shape[1]] * 2
+    ref = [reference_boundaries(ids[b].tolist(), decide[b], DEBUG.max_segment_bytes) for b in range(2)]
+    n_real_segments = sum(
+        1 for b in range(2) for t in range(ids.shape[1]) if ref[b][t] and ids[b, t] != PAD_ID
+    )
+    torch.testing.assert_close(out.aux["bytes_per_segment"], torch.tensor(n_real_bytes / n_real_segments))
+    if predictor > 0:
+        assert out.aux["bytes_per_segment"] == 1.0
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_padding_segments_do_not_affect_other_rows(monkeypatch):
+    """Row A alone vs next to a row with many more segments (and PAD): A's logits are the same,
+    even though the batch pads A's segments and loops until the other row has halted."""
+    model = build(seed=3).eval()
+    monkeypatch.setattr(model.boundary_predictor, "forward", content_predictor)
+    a = sample_ids(4, B=1, T=40)
+    other = sample_ids(5, B=1, T=40)
+    other[0, 1::3] = EOS_ID  # forced boundaries: many short segments
+    other[0, -5:] = PAD_ID
+    with torch.no_grad():
+        alone = model(a, n_loops=4).logits
+        batched = model(torch.cat([a, other]), n_loops=4).logits
+    torch.testing.assert_close(batched[:1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_idle_expert_gets_zero_gradient():
+    model = build().train()
+    for block in model.core.layers:
+        block.moe.expert_bias[0] = -1e4  # expert 0 is never selected (selection only)
+    ids = sample_ids(0)
+    torch.manual_seed(0)
+    out = model(ids, labels=torch.roll(ids, -1, dims=1))
+    assert out.aux["expert_load_min"] == 0.0
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p.grad).all(), name
+    for block in model.core.layers:
+        for w in (block.moe.experts.w1, block.moe.experts.w2, block.moe.experts.w3):
+            assert (w.grad[0] == 0).all()
+            assert w.grad[1:].abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------ loops and ACT
+
+
+def test_more_loops_at_eval_change_the_output():
+    model = build().eval()
+    set_halt_bias(model, -30.0)  # no segment halts before the last loop
+    ids = sample_ids(0)
+    with torch.no_grad():
+        two = model(ids, n_loops=2)
+        four = model(ids, n_loops=model.args.max_loops)
+    assert four.aux["loops_run"] == model.args.max_loops and four.aux["mean_loops"] == model.args.max_loops
+    # At init the core reaches the logits through a small up_proj (depth-scaled std), so the
+    # change is small, but far above float noise (identical runs agree to ~1e-7).
+    assert (four.logits - two.logits).abs().max() > 1e-5
+    with pytest.raises(ValueError, match="n_loops"):
+        model(ids, n_loops=model.args.max_loops + 1)
+
+
+def test_early_exit_when_halting_saturates():
+    model = build()
+    set_halt_bias(model, 30.0)  # every segment halts on the first loop
+    ids = sample_ids(0)
+    with torch.no_grad():
+        ev = model.eval()(ids, n_loops=4)
+        tr = model.train()(ids)
+    assert ev.aux["loops_run"] == 1 and ev.aux["mean_loops"] == 1.0 < 4
+    assert tr.aux["loops_run"] == model.args.n_loops and tr.aux["mean_loops"] == 1.0  # no early exit in training
+    # The early exit changes nothing: all outputs were frozen after loop 1.
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids, n_loops=1).logits, ev.logits)
+
+
+def test_backward_reaches_boundary_predictor_through_ste():
+    model = build(boundary_coeff=0.0).train()  # only the straight-through path is left
+    ids = sample_ids(1)
+    torch.manual_seed(0)
+    out = model(ids, labels=torch.roll(ids, -1, dims=1))
+    out.loss.backward()
+    for p in model.boundary_predictor.parameters():
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------ build and init
+
+
+def test_init_weights_sets_every_tensor():
+    model = build()
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(float("nan"))
+    torch.manual_seed(0)
+    model.init_weights()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert torch.isfinite(t).all(), name
+    zero = [model.core.loop_embedding.weight]
+    for block in model.core.layers:
+        zero += [block.lora.wq_b, block.lora.wo_b, block.moe.expert_bias]
+        if block.engram is not None:
+            zero += [block.engram.table1.weight, block.engram.table2.weight]
+    assert all((t == 0).all() for t in zero)
+    assert model.core.layers[1].engram is not None and model.core.layers[0].engram is None
+    # deterministic for a seed
+    again = build()
+    for (n, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_module_names():
+    names = {n for n, _ in build().named_modules()}
+    for want in ("embed_tokens", "prelude.layers.0", "boundary_predictor", "core.layers.1.engram",
+                 "core.loop_embedding", "core.halt_predictor", "core.layers.0.moe.router",
+                 "core.layers.0.moe.experts", "core.layers.0.attention.wq", "core.layers.0.attention.wo",
+                 "core.layers.0.attention.kv_norm", "coda.layers.0", "norm", "lm_head", "up_proj"):
+        assert want in names, want
+    assert isinstance(build().core.layers[0].attention.wq, torch.nn.Linear)
+
+
+def test_bad_args_and_inputs_raise():
+    assert any("n_loops" in p for p in dataclasses.replace(DEBUG, n_loops=9).validate())
+    assert any("engram_layers" in p for p in dataclasses.replace(DEBUG, engram_layers=[5]).validate())
+    with pytest.raises(ValueError, match="n_loops"):
+        Spider(dataclasses.replace(DEBUG, n_loops=9))
+    model = build(max_seq_len=32)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 33, dtype=torch.long))
