@@ -35,6 +35,8 @@ from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
 from spider_titan.models.common import ModelSpec
 from spider_titan.optim.lr_schedulers import build_lr_scheduler
+from spider_titan.parallel.activation_checkpoint import apply_ac
+from spider_titan.parallel.compile import apply_compile
 from spider_titan.parallel.mesh import ParallelDims
 
 logger = logging.getLogger("spider_titan")
@@ -94,18 +96,45 @@ def total_steps(cfg: JobConfig, dp_degree: int) -> int:
     return t.steps
 
 
+def resolve_converters(cfg: JobConfig) -> list[str]:
+    """``model.converters`` plus what ``training.precision`` implies (the seed's --precision)."""
+    from spider_titan.quantization.float8 import fast_fp8_hardware, torchao_float8_available
+
+    converters = list(cfg.model.converters)
+    precision = cfg.training.precision
+    if precision == "fp8" and "float8" not in converters:
+        converters.append("float8")
+    elif precision == "auto" and "float8" not in converters:
+        hw_ok, hw = fast_fp8_hardware()
+        ao_ok, ao = torchao_float8_available()
+        if hw_ok and ao_ok:
+            converters.append("float8")
+            logger.info("precision auto: fp8 (%s, torchao available)", hw)
+        else:
+            logger.info("precision auto: bf16 (%s)", hw if not hw_ok else ao)
+    return converters
+
+
 def build_model(cfg: JobConfig) -> tuple[ModelSpec, Any, nn.Module]:
-    """Steps 2-4: the model on the meta device with converters and MoE backend applied."""
+    """Steps 2-6: the model on the meta device, converted, with its MoE backend, AC and compile."""
     spec = registry.get("model", cfg.model.name)
     args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
+    # 2) build on meta
     with torch.device("meta"):
         model = spec.model_cls(args)
-    for name in cfg.model.converters:
+    # 3) converters
+    for name in resolve_converters(cfg):
         registry.get("converter", name)(model, getattr(cfg, name, None))
+    # 4) MoE backend
     backend_cls = registry.get("moe_backend", cfg.moe.backend)
     n_moe = apply_moe_backend(model, backend_cls())
     if n_moe:
         logger.info("MoE backend %r on %d layers", cfg.moe.backend, n_moe)
+    # 5) activation checkpointing
+    apply_ac(model, spec, cfg.activation_checkpoint)
+    # 6) torch.compile
+    if cfg.training.compile:
+        apply_compile(model, spec)
     return spec, args, model
 
 
@@ -148,7 +177,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     meshes = dims.build_meshes(device.type) if world_size > 1 else None
 
-    # 2)-4) model on meta, converters, MoE backend
+    # 2)-6) model on meta, converters, MoE backend, activation checkpointing, compile
     spec, args, model = build_model(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s/%s: %.2f M parameters", cfg.model.name, cfg.model.flavor, n_params / 1e6)
@@ -199,9 +228,16 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
                 )
             )
 
+    post_step_hooks = []
+    from spider_titan.quantization.float8 import build_float8_post_step_hook
+
+    hook = build_float8_post_step_hook(model, cfg.float8)
+    if hook is not None:
+        post_step_hooks.append(hook)
+
     return Run(
         cfg=cfg, device=device, rank=rank, world_size=world_size, parallel_dims=dims, meshes=meshes,
         spec=spec, model_args=args, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
         train_loader=train_loader, val_loader=val_loader, metric_logger=MetricLogger(backends),
-        total_steps=steps, autocast_dtype=autocast_dtype, dump_folder=dump_folder,
+        total_steps=steps, autocast_dtype=autocast_dtype, post_step_hooks=post_step_hooks, dump_folder=dump_folder,
     )

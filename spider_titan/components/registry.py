@@ -47,7 +47,9 @@ COMPONENTS: dict[str, dict[str, str]] = {
         "fsdp": "spider_titan.parallel.parallelize:apply_parallelism",
     },
     # apply_*(model, cfg) -> None: swap modules in place after building on meta
-    "converter": {},
+    "converter": {
+        "float8": "spider_titan.quantization.float8:apply_float8",
+    },
     # MoE backends: objects implementing spider_titan.moe.base.MoEBackend
     "moe_backend": {
         "torch": "spider_titan.moe.torch_backend:TorchMoEBackend",

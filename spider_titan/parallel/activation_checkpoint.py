@@ -1,0 +1,100 @@
+"""Activation checkpointing, applied from outside the model to the blocks of ``ModelSpec``.
+
+Modes (``[activation_checkpoint] mode``):
+- ``none``: keep every activation.
+- ``full``: every block keeps only its input; everything inside is recomputed in backward.
+- ``selective``: ``selective_ac_option = "op"`` keeps the outputs of matmuls and attention (except
+  every second matmul, whose recompute is cheap next to the memory it holds) and recomputes the
+  rest (norms, activations, elementwise); an integer N instead fully checkpoints every N-th block.
+- ``recurrent``: only the recurrent core's blocks, on every loop (the seed trainer's gradient
+  checkpointing). The core runs ``n_loops`` times per step, so its activations dominate and grow
+  with ``n_loops``; checkpointing it keeps one block input per loop instead.
+
+Wrapping uses non-reentrant ``checkpoint_wrapper``: recomputation replays the same RNG state, and
+``torch.distributed.checkpoint`` strips the wrapper's name from state-dict keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from spider_titan.models.common import ModelSpec
+
+logger = logging.getLogger("spider_titan")
+
+_aten = torch.ops.aten
+# Ops whose outputs selective AC keeps (matmuls, attention, the amax reductions of fp8 scaling).
+_SAVE_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._grouped_mm.default,
+    _aten._scaled_mm.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten.max.default,
+}
+_MM_OPS = {_aten.mm.default, _aten.addmm.default}
+
+
+def _op_policy_context():
+    """Selective-AC contexts: save matmul/attention outputs except every second matmul.
+
+    Called once per checkpointed forward, so each block call gets fresh counters and its
+    recompute makes the same save/recompute decisions as its forward.
+    """
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in _MM_OPS:
+            counts[mode] += 1
+            if counts[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _wrap(container: nn.Module, name: str, block: nn.Module, **kwargs) -> None:
+    container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=True, **kwargs))
+
+
+def apply_ac(model: nn.Module, spec: ModelSpec, cfg) -> int:
+    """Wrap blocks as ``cfg`` ([activation_checkpoint]) says; returns how many were wrapped."""
+    if cfg.mode == "none":
+        return 0
+    if cfg.mode == "recurrent":
+        containers = getattr(spec, "recurrent_containers", ())
+        if not containers:
+            raise ValueError(
+                f"activation_checkpoint.mode: 'recurrent' needs a model with a recurrent core; {spec.name!r} has none "
+                "(use 'full' or 'selective')"
+            )
+    else:
+        containers = spec.block_containers
+    every = int(cfg.selective_ac_option) if cfg.mode == "selective" and cfg.selective_ac_option != "op" else 1
+    op_level = cfg.mode == "selective" and cfg.selective_ac_option == "op"
+    wrapped = 0
+    index = 0
+    for container_name in containers:
+        container = model.get_submodule(container_name)
+        for name, block in list(container.named_children()):
+            if index % every == 0:
+                kwargs = {"context_fn": _op_policy_context} if op_level else {}
+                _wrap(container, name, block, **kwargs)
+                wrapped += 1
+            index += 1
+    logger.info(
+        "activation checkpointing %s%s: %d blocks in %s",
+        cfg.mode, f" ({cfg.selective_ac_option})" if cfg.mode == "selective" else "", wrapped, ", ".join(containers),
+    )
+    return wrapped

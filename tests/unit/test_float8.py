@@ -1,0 +1,96 @@
+"""The float8 converter: which linears convert, fallbacks, and the precision switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from spider_titan.components.builder import build_model, resolve_converters
+from spider_titan.config.manager import parse_args
+from spider_titan.quantization import float8
+
+
+def linears(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@pytest.mark.parametrize("model_name", ["dense", "spider"])
+def test_converted_modules_follow_the_filter(model_name):
+    cfg = parse_args(["--model.name", model_name], env={})
+    _, _, plain = build_model(cfg)
+    expected = {n for n, m in linears(plain).items() if not any(f in n for f in cfg.float8.filter_fqns)}
+    assert expected, "the filter must leave something to convert"
+
+    cfg = parse_args(["--model.name", model_name, "--model.converters", "float8"], env={})
+    _, _, model = build_model(cfg)
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == expected
+    # every filtered name stays a plain nn.Linear
+    for name in linears(plain).keys() - expected:
+        assert type(model.get_submodule(name)) is nn.Linear
+
+
+def test_custom_filter_skips_more():
+    cfg = parse_args(["--model.name", "dense", "--model.converters", "float8", "--float8.filter_fqns", "lm_head,wq"],
+                     env={})
+    _, _, model = build_model(cfg)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert all(k == "Linear" for n, k in kinds.items() if "wq" in n or "lm_head" in n)
+    assert any(k == "Float8Linear" for k in kinds.values())
+
+
+def test_unpaddable_dim_errors_or_skips_as_configured():
+    # dim 120: wq/wo/w2 outputs are not multiples of 16
+    base = ["--model.name", "dense", "--model.dim", "120", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+            "--model.converters", "float8"]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        build_model(parse_args(base + ["--float8.fallback", "error"], env={}))
+    _, _, model = build_model(parse_args(base + ["--float8.fallback", "warn"], env={}))
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert kinds["layers.0.attention.wo"] == "Linear"  # 120 outputs: skipped
+    assert kinds["layers.0.feed_forward.w1"] == "Float8Linear"  # 352 outputs, inner 120 padded
+
+
+def test_missing_torchao_falls_back_or_errors(monkeypatch):
+    monkeypatch.setattr(float8, "torchao_float8_available", lambda: (False, "torchao.float8 is not importable (test)"))
+    cfg = parse_args(["--model.name", "dense", "--model.converters", "float8"], env={})
+    _, _, model = build_model(cfg)
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    cfg.float8.fallback = "error"
+    with pytest.raises(ValueError, match="not importable"):
+        build_model(cfg)
+
+
+def test_precision_switch():
+    assert resolve_converters(parse_args(["--training.precision", "fp8"], env={})) == ["float8"]
+    assert resolve_converters(parse_args(["--training.precision", "bf16"], env={})) == []
+    auto = resolve_converters(parse_args(["--training.precision", "auto"], env={}))
+    assert auto == (["float8"] if float8.fast_fp8_hardware()[0] else [])
+
+
+def test_fp8_experts_only_where_supported():
+    cfg = parse_args(["--model.name", "spider", "--model.converters", "float8"], env={})
+    _, _, model = build_model(cfg)
+    from spider_titan.moe.layer import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    supported, _ = float8.fp8_grouped_mm_supported()
+    assert layers and all(layer.align == (16 if supported else 1) for layer in layers)
+
+
+def test_fp8_matmul_close_to_high_precision():
+    """A converted linear computes what the original does, to fp8 accuracy."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    fp8 = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    fp8.load_state_dict(ref.state_dict())
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(fp8)
+    x = torch.randn(32, 64)
+    y_ref, y = ref(x), fp8(x)
+    rel = (y - y_ref).norm() / y_ref.norm()
+    assert 0 < rel < 0.1  # fp8 is not exact, but close
