@@ -96,6 +96,150 @@ def run_training(config: str, overrides: list[str], args: argparse.Namespace) ->
         trainer.close()
 
 
+def _timed(fn, *, repeats: int, warmup: int, device: torch.device) -> list[float]:
+    times = []
+    for i in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+@scenario("moe_layer")
+def moe_layer(args: argparse.Namespace) -> dict:
+    """One MoE layer at the 1B flavor's shapes (dim 2048, 32 experts, top-2, expert inter 528):
+    the seed's Python loop over experts vs the torch backend (vs the Triton backend on GPU),
+    forward and forward+backward, tokens/s and achieved TFLOP/s, for each ``--tokens``."""
+    from spider_titan.models.spider.args import SPIDER_FLAVORS
+    from spider_titan.moe.layer import MoE
+    from spider_titan.moe.python_loop import python_loop_moe
+
+    a = SPIDER_FLAVORS["1B"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = args.moe_backends.split(",") if args.moe_backends else (
+        ["python_loop", "torch", "triton"] if device.type == "cuda" else ["python_loop", "torch"])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        layer = MoE(a.dim, a.n_experts, a.top_k, a.moe_inter_dim)
+    layer.to_empty(device=device)
+    layer.init_weights(0.02, 0.02)
+    layer.to(dtype)
+    # matmul FLOPs per token: k experts x 3 projections x 2*dim*inter, plus the router
+    fwd_flops_per_token = a.top_k * 3 * 2 * a.dim * a.moe_inter_dim + 2 * a.dim * a.n_experts
+    out = {"shapes": f"dim {a.dim}, {a.n_experts} experts, top-{a.top_k}, inter {a.moe_inter_dim}, {dtype}".replace("torch.", "")}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(tokens, a.dim, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        row = {}
+        # the seed keeps one module per expert: give the loop per-expert leaf weights
+        per_expert = [[w.detach().clone().requires_grad_() for w in getattr(layer.experts, n)] for n in ("w1", "w3", "w2")]
+        for name in backends:
+            if name == "python_loop":
+                def forward():
+                    _, idx, w = layer.route(x)
+                    return python_loop_moe(x, idx, w, *per_expert)
+            else:
+                from spider_titan.components import registry
+
+                layer.backend = registry.get("moe_backend", name)()
+                forward = (lambda: layer(x)[0])
+
+            def fwd_only():
+                with torch.no_grad():
+                    forward()
+
+            def fwd_bwd():
+                forward().backward(dy)
+
+            res = {}
+            for label, fn, mult in (("fwd", fwd_only, 1), ("fwd_bwd", fwd_bwd, 3)):
+                t = statistics.median(_timed(fn, repeats=args.steps, warmup=args.warmup, device=device))
+                res[label] = {"ms": round(1e3 * t, 2), "tokens_per_s": round(tokens / t, 1),
+                              "tflops": round(mult * fwd_flops_per_token * tokens / t / 1e12, 4)}
+            row[name] = res
+        base = row.get("torch")
+        if base:
+            row["speedup_vs_python_loop"] = {
+                n: {k: round(row["python_loop"][k]["ms"] / row[n][k]["ms"], 3) for k in ("fwd", "fwd_bwd")}
+                for n in backends if n != "python_loop" and "python_loop" in row
+            }
+        out[f"tokens_{tokens}"] = row
+    return out
+
+
+@scenario("ac_memory")
+def ac_memory(args: argparse.Namespace) -> dict:
+    """Bytes of activations forward leaves alive for backward, per activation-checkpoint mode,
+    counted on the device-independent level (metrics/memory.py): the whole debug flavor for
+    n_loops 2/4/8, and one 1B core block at 2048 positions."""
+    from spider_titan.components.builder import build_model, materialize
+    from spider_titan.config.manager import parse_args
+    from spider_titan.metrics.memory import count_live_activation_bytes
+    from spider_titan.parallel.activation_checkpoint import apply_ac
+
+    modes = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2"), ("recurrent", "op")]
+    mib = lambda b: round(b / 2**20, 2)  # noqa: E731
+    out: dict = {"debug_flavor_B4_T512": {}}
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (4, 512))
+    for n_loops in (2, 4, 8):
+        row = {}
+        for mode, option in modes:
+            cfg = parse_args(["--model.name", "spider", "--model.n_loops", str(n_loops), "--model.max_loops", "8",
+                              "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option],
+                             env={})
+            _, _, model = build_model(cfg)
+            materialize(model, torch.device("cpu"), 0)
+            torch.manual_seed(1)
+            with count_live_activation_bytes(model, x) as live:
+                result = model(x)
+            result.logits.sum().backward()
+            row[mode if mode != "selective" else f"selective_{option}"] = mib(live.total)
+        row["none/recurrent"] = round(row["none"] / row["recurrent"], 2)
+        out["debug_flavor_B4_T512"][f"n_loops_{n_loops}"] = row
+
+    # One 1B core block: (1, 2048 positions, dim 2048), fp32 on CPU.
+    from spider_titan.models.spider.args import SPIDER_FLAVORS
+    from spider_titan.models.spider.model import SPIDER_SPEC, Spider
+
+    block_row = {}
+    for mode, option in [("none", "op"), ("full", "op"), ("selective", "op")]:
+        with torch.device("meta"):
+            model = Spider(SPIDER_FLAVORS["1B"])
+        apply_ac(model, SPIDER_SPEC, parse_args(["--activation_checkpoint.mode", mode,
+                                                 "--activation_checkpoint.selective_ac_option", option], env={}).activation_checkpoint)
+        block = model.core.layers[0]
+        block.to_empty(device="cpu")
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        block_row[mode if mode != "selective" else "selective_op"] = mib(
+            _core_block_live_bytes(block, SPIDER_FLAVORS["1B"], seq=2048))
+    out["1B_core_block_S2048"] = block_row
+    return out
+
+
+def _core_block_live_bytes(block, args, *, seq: int) -> int:
+    """Live bytes after one core block's forward on (1, seq, dim) segments (loop 0)."""
+    from spider_titan.metrics.memory import count_live_activation_bytes
+    from spider_titan.models.common import rope_frequencies
+
+    torch.manual_seed(0)
+    h = torch.randn(1, seq, args.dim, requires_grad=True)
+    freqs = rope_frequencies(args.qk_rope_head_dim, seq, args.rope_theta)
+    buckets = torch.randint(0, args.engram_buckets, (1, seq, 2))
+    mask = torch.ones(1, seq, dtype=torch.bool)
+    with count_live_activation_bytes(block, h, freqs, buckets, mask) as live:
+        out, aux, _ = block(h, 0, freqs, buckets, mask)
+    (out.sum() + aux).backward()
+    return live.total
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="+", help=f"one or two of: {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}")
@@ -104,6 +248,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", help="override for training scenarios, e.g. training.seq_len=1024")
     parser.add_argument("--dump_folder", default="./outputs/benchmark")
     parser.add_argument("--markdown", help="append the results to this markdown file")
+    parser.add_argument("--tokens", default="512", help="moe_layer: comma-separated token counts")
+    parser.add_argument("--moe_backends", default="", help="moe_layer: comma-separated (python_loop,torch,triton)")
     args = parser.parse_args()
 
     unknown = [s for s in args.scenarios if s not in TRAIN_SCENARIOS and s not in SCENARIOS]

@@ -10,6 +10,7 @@ so does the device: the same count on CPU and GPU.
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -38,8 +39,14 @@ class _StorageRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 ptr = st.data_ptr()
-                if ptr and ptr not in self.known and ptr not in self.refs:
-                    self.refs[ptr] = (st._weak_ref(), st.nbytes())
+                if not ptr or ptr in self.known:
+                    continue
+                old = self.refs.get(ptr)
+                if old is not None:
+                    if not torch.UntypedStorage._expired(old[0]):
+                        continue  # the same storage again (a view, or an in-place op)
+                    torch.UntypedStorage._free_weak_ref(old[0])  # freed; its address was reused
+                self.refs[ptr] = (st._weak_ref(), st.nbytes())
         return out
 
 
@@ -55,6 +62,7 @@ def count_live_activation_bytes(*exclude: torch.Tensor | torch.nn.Module):
     recorder = _StorageRecorder(known)
     with recorder:
         yield result
+    gc.collect()  # storages held only by reference cycles are garbage, not activations
     for ptr, (ref, nbytes) in recorder.refs.items():
         if not torch.UntypedStorage._expired(ref):
             result.storages[ptr] = nbytes

@@ -7,6 +7,8 @@ launches O(E) small kernels, waits on the host E times and is not deterministic 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -15,17 +17,18 @@ def python_loop_moe(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     weights: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
+    w1: torch.Tensor | Sequence[torch.Tensor],
+    w3: torch.Tensor | Sequence[torch.Tensor],
+    w2: torch.Tensor | Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * SwiGLU_{topk_idx[t, j]}(x[t]), differentiable in every float input.
 
     x (T, dim), topk_idx (T, k) int, weights (T, k), w1/w3 (E, dim, inter), w2 (E, inter, dim)
-    -> y (T, dim) in x's dtype.
+    -> y (T, dim) in x's dtype. The weights may also be sequences of E per-expert matrices, the
+    layout of a seed-style ModuleList of experts (no slicing of a 3-D tensor in backward).
     """
     y = torch.zeros_like(x)
-    for e in range(w1.shape[0]):
+    for e in range(len(w1)):
         tok, slot = (topk_idx == e).nonzero(as_tuple=True)  # (n_e,), (n_e,)
         if tok.numel() == 0:
             continue
