@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -72,8 +73,6 @@ def resolve_device(choice: str) -> torch.device:
         raise ValueError("training.device: 'cuda' asked for but CUDA is not available; use 'auto' or 'cpu'")
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    import os
-
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -176,6 +175,11 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     # 1) parallel dims + device mesh
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     meshes = dims.build_meshes(device.type) if world_size > 1 else None
+
+    if cfg.moe.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads this when the kernels are first defined (lazily, when the backend is built).
+        os.environ["TRITON_INTERPRET"] = "1"
+        logger.info("MoE backend 'triton' on CPU: running its kernels in Triton's interpreter (correct, slow)")
 
     # 2)-6) model on meta, converters, MoE backend, activation checkpointing, compile
     spec, args, model = build_model(cfg)
