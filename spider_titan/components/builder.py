@@ -35,6 +35,7 @@ from spider_titan.config.job_config import JobConfig
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
 from spider_titan.models.common import ModelSpec
+from spider_titan.moe.load_balance import maybe_apply_aux_free_balancing
 from spider_titan.optim.lr_schedulers import build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.compile import apply_compile
@@ -198,6 +199,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
 
     # 9) optimizer, 10) lr scheduler
     optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
+    maybe_apply_aux_free_balancing(model, optimizer, cfg.moe)
     steps = total_steps(cfg, dims.dp_degree)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
 

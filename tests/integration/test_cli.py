@@ -41,7 +41,11 @@ def test_help_exits_zero():
 
 # (overrides, id, nprocs): the feature table, each run a few steps of the debug model on mock data.
 FEATURES = [
-    ([], "single", 1),
+    ([], "dense", 1),
+    (["--model.name", "spider"], "spider", 1),
+    (["--model.name", "spider", "--moe.load_balance", "aux_free"], "spider-aux-free", 1),
+    (["--model.name", "spider", "--activation_checkpoint.mode", "recurrent"], "spider-ac-recurrent", 1),
+    (["--model.name", "spider"], "spider-fsdp2", 2),
     (["--training.gradient_accumulation_steps", "2"], "grad-accum", 1),
     (["--lr_scheduler.decay_type", "wsd"], "wsd", 1),
     (["--optimizer.name", "Muon"], "muon", 1),
