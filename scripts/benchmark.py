@@ -240,6 +240,15 @@ def _core_block_live_bytes(block, args, *, seq: int) -> int:
     return live.total
 
 
+@scenario("checkpoint_io")
+def checkpoint_io(args: argparse.Namespace) -> dict:
+    """DCP save/load time and size for the debug flavors, and the 1B flavors estimated from a
+    meta-device model and the measured disk bandwidth (spider_titan/checkpoint/bench.py)."""
+    from spider_titan.checkpoint.bench import benchmark_checkpoint_io
+
+    return benchmark_checkpoint_io(args)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="+", help=f"one or two of: {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}")

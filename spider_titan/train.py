@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spider_titan.checkpoint import build_checkpointer
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
 from spider_titan.config.job_config import JobConfig
@@ -67,6 +68,10 @@ class Trainer:
 
         self.run: Run = build_run(cfg, rank=self.rank, world_size=self.world_size, dump_folder=self.dump_folder)
         self.state = TrainState()
+        # Restores model, optimizer, scheduler, data position, train state and RNG when resuming,
+        # so the data iterator is made after it, from the restored loader.
+        self.checkpointer = build_checkpointer(cfg.checkpoint, self.run, self.state)
+        self.checkpointer.load()
         self.data_iter = iter(self.run.train_loader)
         # Validation replays the same batches every time: remember where its loader starts.
         self.val_start = self.run.val_loader.state_dict() if self.run.val_loader is not None else None
@@ -198,9 +203,13 @@ class Trainer:
             if run.val_loader is not None and (step % cfg.validation.freq == 0 or step == run.total_steps):
                 run.metric_logger.log(step, self.validate())
                 self.throughput.reset()
+            self.checkpointer.maybe_save(step, last=step == run.total_steps)
         logger.info("done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
 
     def close(self) -> None:
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is not None:
+            checkpointer.close()
         run = getattr(self, "run", None)
         if run is not None:
             run.metric_logger.close()

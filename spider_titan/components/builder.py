@@ -9,6 +9,7 @@
     7) materialise on the device + init_weights()
     8) parallelize: expert parallel, then FSDP2 / HSDP
     9) optimizer, 10) lr scheduler, 11) data loaders, 12) metric loggers
+    (then the Trainer adds the checkpointer, which also needs its train state, and loads)
 
 Why 7 before 8 (torchtitan materialises after sharding): a full-size init on every rank with the
 same seed makes the initial weights independent of the parallel layout, so FSDP/HSDP/EP runs can
@@ -192,7 +193,8 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
 
     # 8) parallelize
     registry.get("parallelize", "fsdp")(
-        model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        dump_folder=dump_folder,
     )
     fsdp_on = any(hasattr(m, "unshard") for m in model.modules())
     autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None

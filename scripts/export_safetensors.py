@@ -1,0 +1,52 @@
+"""Export a DCP checkpoint as safetensors + config.json (full tensors, plain FQNs).
+
+    python scripts/export_safetensors.py --checkpoint outputs/debug_dense/checkpoint/step-200 --out exports/dense
+    python scripts/export_safetensors.py --checkpoint outputs/debug_dense/checkpoint --out exports/dense --dtype bfloat16
+
+``--checkpoint`` is a ``step-<N>`` folder or a folder of them (then the newest complete one), full
+or model-only, saved by any number of ranks; it is read in this one process. Above
+``--max_shard_size`` bytes the weights are split into ``model-0000i-of-0000K.safetensors`` files
+with a ``model.safetensors.index.json``. The work is done by
+:func:`spider_titan.checkpoint.export.export_checkpoint`; sample from the result with
+``scripts/generate.py --model <out>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run from a checkout without `pip install -e .`: make the repository root importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spider_titan.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint  # noqa: E402
+from spider_titan.checkpoint.manager import DTYPES  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, documented by ``--help``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a step-<N> checkpoint folder, or a folder of them (then the newest complete one)")
+    p.add_argument("--out", required=True, metavar="DIR", help="export folder (replaced if it exists)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype of the exported tensors (default float32)")
+    p.add_argument("--max_shard_size", type=int, default=DEFAULT_MAX_SHARD_BYTES, metavar="BYTES",
+                   help=f"largest safetensors file before sharding (default {DEFAULT_MAX_SHARD_BYTES})")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags and write the export; a user error exits with status 1 and one line."""
+    args = parse_args(argv)
+    try:
+        out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype=DTYPES[args.dtype],
+                                max_shard_bytes=args.max_shard_size)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"export_safetensors: error: {e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Safetensors export: full (unsharded) weights under plain FQNs + config.json, readable by safetensors alone.
+
+    <out>/config.json              format version, model name / flavor / all args, vocabulary, dtype, step
+    <out>/model.safetensors        every tensor, when they total at most ``max_shard_bytes``
+    <out>/model-0000i-of-0000K.safetensors + model.safetensors.index.json   above it (the HF layout:
+                                   ``weight_map`` FQN -> file, ``metadata.total_size`` in bytes)
+
+Two sources, one writer (:func:`write_export`): a DCP checkpoint folder read in one process
+(:func:`export_checkpoint`, behind ``scripts/export_safetensors.py``), or the live, possibly
+FSDP-sharded model at the end of training (:func:`full_model_state_dict`, ``checkpoint.export_at_end``).
+The folder is written under a temporary name and renamed when whole.
+
+Float8 training keeps each converted linear's high-precision weight as its parameter; with fp8
+all-gather torchao wraps it in a tensor subclass that safetensors cannot store. The export unwraps
+it, so the files hold bf16/fp32 weights under the ``nn.Linear`` names that a model built without
+converters loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from spider_titan.checkpoint.manager import SINGLE_PROCESS_NOTICE, ModelIdentity, read_meta, resolve_checkpoint
+from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+
+EXPORT_FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the usual 5 GB per file of hub exports
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def to_plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding ``t``'s values: unwraps wrapper subclasses that keep it in ``_tensor``."""
+    while type(t) not in (torch.Tensor, nn.Parameter) and isinstance(getattr(t, "_tensor", None), torch.Tensor):
+        t = t._tensor
+    return t.detach()
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN -> full CPU tensor of every saved tensor; a collective under FSDP, filled on rank 0 only.
+
+    Gathers one tensor at a time, so the peak is one full tensor per rank plus rank 0's CPU copy.
+    """
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    out = {}
+    for fqn, value in get_model_state_dict(model).items():
+        if isinstance(value, DTensor):
+            local = to_plain(value.to_local())
+            value = DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape,
+                                       stride=value.stride()).full_tensor()
+        value = to_plain(value)
+        if keep:
+            out[fqn] = value.to("cpu", copy=True)
+    return out
+
+
+def read_checkpoint_tensors(path: Path, prefix: str = "model.") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full tensors under ``prefix`` of a DCP checkpoint (read in this process alone, keys without
+    the prefix) and its meta.json. ``path`` is a ``step-<N>`` folder or a folder of them (then the
+    newest complete one)."""
+    path = resolve_checkpoint(Path(path), origin="checkpoint")
+    meta = read_meta(path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    tensors = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    if not tensors:
+        raise ValueError(f"{path}: the checkpoint holds no tensors under {prefix!r}")
+    with warnings.catch_warnings():  # reading in one process is the intent, not a fallback
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE)
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    return {key[len(prefix):]: t for key, t in tensors.items()}, meta
+
+
+def export_config(
+    identity: ModelIdentity, dtype: torch.dtype, *, step: int | None, num_parameters: int
+) -> dict[str, Any]:
+    """What config.json holds: enough to rebuild the model with no other file of the run."""
+    return {
+        "format_version": EXPORT_FORMAT_VERSION,
+        "library": "spider_titan",
+        "model": {"name": identity.name, "flavor": identity.flavor, "args": identity.args},
+        "trained_with_converters": list(identity.converters),
+        "vocab": {
+            "size": VOCAB_SIZE,
+            "tokenizer": "bytes: ids 0..255 are UTF-8 bytes; a document is [BOS] + bytes + [EOS]",
+            "pad_id": PAD_ID,
+            "bos_id": BOS_ID,
+            "eos_id": EOS_ID,
+        },
+        "dtype": DTYPE_NAMES[dtype],
+        "step": step,
+        "num_parameters": num_parameters,
+    }
+
+
+def write_export(
+    tensors: dict[str, torch.Tensor],
+    identity: ModelIdentity,
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    step: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write ``tensors`` (full, plain FQNs) in ``dtype`` as safetensors + config.json into ``out``."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    cast = {k: to_plain(v).to(dtype).contiguous() for k, v in tensors.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in cast.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        safetensors.torch.save_file(shards[0], tmp / WEIGHTS_FILE, metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            safetensors.torch.save_file(shard, tmp / name, metadata=metadata)
+            weight_map.update({key: name for key in shard})
+        total = sum(t.numel() * t.element_size() for t in cast.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    config = export_config(identity, dtype, step=step, num_parameters=sum(t.numel() for t in cast.values()))
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def export_checkpoint(
+    checkpoint: Path, out: Path, *, dtype: torch.dtype, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Path:
+    """A DCP checkpoint (full or model-only, saved by any number of ranks) -> a safetensors export."""
+    tensors, meta = read_checkpoint_tensors(Path(checkpoint))
+    identity = ModelIdentity.from_json(meta["model"])
+    return write_export(tensors, identity, out, dtype=dtype, step=meta["step"], max_shard_bytes=max_shard_bytes)
+
+
+def read_export_config(path: Path) -> dict[str, Any]:
+    """config.json of an export folder; FileNotFoundError / ValueError naming the folder."""
+    path = Path(path)
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no {CONFIG_FILE}; give a folder written by scripts/export_safetensors.py")
+    config = json.loads(file.read_text())
+    if config.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise ValueError(
+            f"{file}: export format {config.get('format_version')!r}, this code reads {EXPORT_FORMAT_VERSION}"
+        )
+    return config
+
+
+def load_export_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export folder (one file, or the shards its index names)."""
+    path = Path(path)
+    if (path / INDEX_FILE).is_file():
+        index = json.loads((path / INDEX_FILE).read_text())
+        tensors = {}
+        for name in sorted(set(index["weight_map"].values())):
+            tensors.update(safetensors.torch.load_file(path / name))
+        return tensors
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    return safetensors.torch.load_file(path / WEIGHTS_FILE)

@@ -1,0 +1,545 @@
+"""DCP checkpoints: save every ``interval`` steps, resume from the newest complete one.
+
+Layout, one folder per step, each readable on its own (no run config needed):
+
+    <dump_folder>/<checkpoint.folder>/
+        step-<N>/                    a complete checkpoint
+            .metadata, __*_*.distcp  torch.distributed.checkpoint (DCP) files, one set per rank
+            meta.json                format version, step, contents, model identity (name, flavor,
+                                     resolved args), world size and samples per step when saved
+        step-<N>.tmp-<token>/        being written, or left by a crash: never loaded, removed at start
+
+What is saved is the dict of Statefuls and nothing else:
+
+    model         get_model_state_dict: plain FQNs; FSDP2 DTensor shards are resharded on load
+    optimizer     get_optimizer_state_dict: state keyed by parameter FQN (resharded the same way)
+    lr_scheduler  the LambdaLR counters
+    dataloader    global samples consumed (the same for every world size, see data/loader.py)
+    train_state   step and tokens seen
+    rng           torch's RNG state of every rank (the Spider model samples boundary noise)
+
+Crash safety: every rank writes into ``step-N.tmp-<token>``. ``dcp.save`` returns on rank 0 only
+after it has gathered every rank's write results and written ``.metadata``, so at that point the
+folder is whole: rank 0 adds ``meta.json`` and renames it to ``step-N``; the rename is the commit.
+A folder is loaded only under its final name and with both ``.metadata`` and ``meta.json``.
+keep_latest_k prunes after the commit, so it never deletes the newest complete checkpoint.
+
+The final save with ``last_save_model_only`` holds the weights only, in ``export_dtype``; it is an
+artefact, not a resume point: auto-resume picks the newest *full* checkpoint and pruning leaves
+model-only folders alone. ``initial_load_model_only`` starts a new run from any checkpoint's
+weights (fresh optimizer, step 0).
+
+Start-up problems (missing, partial or mismatched checkpoints) raise FileNotFoundError or
+ValueError with one line that names the path and the mismatch; ``train.main`` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import time
+import uuid
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from spider_titan.components import registry
+
+if TYPE_CHECKING:
+    from spider_titan.components.builder import Run
+
+logger = logging.getLogger("spider_titan")
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^step-\d+\.tmp-")
+# DCP's warning on every call made without a process group, a supported mode for one process.
+SINGLE_PROCESS_NOTICE = r".*assuming the intent is to (save|load) in a single process"
+
+
+# ---------------------------------------------------------------- model identity
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a checkpoint's weights belong to: registry name, flavor label and resolved args."""
+
+    name: str
+    flavor: str
+    args: dict[str, Any]
+    converters: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, flavor: str, args: Any, converters=()) -> "ModelIdentity":
+        """From a model args dataclass; args are normalised through JSON so saved and live compare equal."""
+        return cls(name, flavor, json.loads(json.dumps(dataclasses.asdict(args))), tuple(converters))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "flavor": self.flavor, "args": self.args, "converters": list(self.converters)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelIdentity":
+        return cls(data["name"], data["flavor"], dict(data["args"]), tuple(data.get("converters", ())))
+
+    def build_args(self) -> Any:
+        """The model's args dataclass; ValueError when the saved args hold fields this code lacks."""
+        spec = registry.get("model", self.name)
+        known = {f.name for f in dataclasses.fields(spec.args_cls)}
+        unknown = sorted(set(self.args) - known)
+        if unknown:
+            raise ValueError(f"model args {unknown} are not fields of {spec.args_cls.__name__}")
+        return spec.args_cls(**self.args)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """FQN -> shape of every saved tensor, from a model built on the meta device (no memory)."""
+        spec = registry.get("model", self.name)
+        with torch.device("meta"):
+            model = spec.model_cls(self.build_args())
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def compare_identity(saved: ModelIdentity, current: ModelIdentity, where: str) -> list[str]:
+    """The args that differ (``field saved -> this run``); ValueError when the weights cannot fit.
+
+    Args that leave every tensor shape unchanged (``n_loops``, loss weights) may differ: the
+    caller logs them and loads. A different model, or shapes that differ, stop the run.
+    """
+    if saved.name != current.name:
+        raise ValueError(
+            f"{where}: holds a {saved.name!r} model (flavor {saved.flavor!r}) but this run builds "
+            f"{current.name!r}; set model.name = {saved.name!r} or load another checkpoint"
+        )
+    diffs = [
+        f"{k} {saved.args.get(k)!r} -> {current.args.get(k)!r}"
+        for k in sorted(set(saved.args) | set(current.args))
+        if saved.args.get(k) != current.args.get(k)
+    ]
+    if diffs and saved.parameter_shapes() != current.parameter_shapes():
+        raise ValueError(
+            f"{where}: model mismatch (saved -> this run): {', '.join(diffs)}; saved with flavor "
+            f"{saved.flavor!r}, this run has {current.flavor!r}: use the saved model settings or another checkpoint"
+        )
+    return diffs
+
+
+# ---------------------------------------------------------------- folders
+
+
+def is_complete(path: Path) -> bool:
+    """A committed checkpoint: final name, DCP metadata and meta.json present."""
+    return _STEP_RE.match(path.name) is not None and (path / ".metadata").is_file() and (path / META_FILE).is_file()
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint folder; ValueError when it is unreadable or of another format."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable {META_FILE} ({e}); the checkpoint is damaged") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        m = _STEP_RE.match(path.name)
+        if m and is_complete(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: Path, *, origin: str, prefer_full: bool = False) -> Path:
+    """``path`` itself when it is a checkpoint, or the newest complete one inside it (the newest
+    full one with ``prefer_full``, when there is one).
+
+    FileNotFoundError when nothing is there, ValueError for a partial checkpoint (``origin`` is
+    the config key or flag that named the path, quoted in the message).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{origin}: {path} does not exist")
+    if (path / META_FILE).is_file() or (path / ".metadata").is_file() or _TMP_RE.match(path.name):
+        if not is_complete(path):
+            raise ValueError(
+                f"{origin}: {path} is not a complete checkpoint (an interrupted save: "
+                f"{'no .metadata' if not (path / '.metadata').is_file() else 'no ' + META_FILE}"
+                f"{', temporary name' if _STEP_RE.match(path.name) is None else ''}); use another step"
+            )
+        return path
+    found = [p for _, p in list_checkpoints(path)]
+    if not found:
+        raise FileNotFoundError(f"{origin}: no complete checkpoint (step-<N>/ with {META_FILE}) in {path}")
+    full = [p for p in found if not read_meta(p).get("model_only")]
+    return full[-1] if prefer_full and full else found[-1]
+
+
+# ---------------------------------------------------------------- Statefuls
+
+
+class ModelState(Stateful):
+    """The model's weights and persistent buffers under plain FQNs (FSDP2 shards stay DTensors)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    """The optimizer's state keyed by parameter FQN, so it reshards like the model.
+
+    An optimizer that holds other optimizers as attributes (Muon on the matrices + AdamW on the
+    rest) is saved as its parts: DCP's optimizer helpers need torch's own state layout.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        parts = [v for v in vars(optimizer).values() if isinstance(v, torch.optim.Optimizer)]
+        self.optimizers = parts or [optimizer]
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizers)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizers, state_dict)
+
+
+class RNGState(Stateful):
+    """torch's CPU (and CUDA) RNG state of every rank, gathered so one copy holds all of them.
+
+    Resumed on the same number of ranks, rank r gets its own state back; on another number every
+    rank takes rank 0's (all ranks seed alike and draw alike, so they agree anyway).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = {
+            "cpu": torch.get_rng_state().numpy().tobytes(),
+            "cuda": torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else b"",
+        }
+        if dist.is_initialized():
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        return {"cpu": [s["cpu"] for s in everyone], "cuda": [s["cuda"] for s in everyone]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        saved = len(state_dict["cpu"])
+        idx = rank if saved == world else 0
+        if saved != world and rank == 0:
+            logger.info("rng: saved by %d ranks, this run has %d: every rank continues from rank 0's state", saved, world)
+        torch.set_rng_state(torch.frombuffer(bytearray(state_dict["cpu"][idx]), dtype=torch.uint8))
+        if torch.cuda.is_available() and state_dict["cuda"][idx]:
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state_dict["cuda"][idx]), dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- checkpointer
+
+
+@dataclass
+class _Save:
+    """A save whose files are (being) written to ``tmp``; committed to ``final`` when done."""
+
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    started: float
+    future: Future | None = None
+
+
+class Checkpointer:
+    """Saves and restores ``states`` (name -> Stateful) under ``<dump_folder>/<cfg.folder>``.
+
+    ``cfg`` is the [checkpoint] section. ``identity`` is written to every checkpoint and checked
+    on load; ``samples_per_step`` (global batch x accumulation) is recorded so that a resume with
+    another batch can say what happens to the data order.
+    ``states["model"]`` must be a :class:`ModelState` (model-only saves and the export use it).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        states: dict[str, Stateful],
+        identity: ModelIdentity,
+        dump_folder: Path,
+        samples_per_step: int | None = None,
+    ):
+        self.cfg = cfg
+        self.states = states
+        self.identity = identity
+        self.dump_folder = Path(dump_folder)
+        self.folder = self.dump_folder / cfg.folder
+        self.samples_per_step = samples_per_step
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.pending: _Save | None = None
+        if self.distributed:
+            # DCP's own collectives go through a gloo group: async saves run them in a background
+            # thread, which must neither share the training group nor need CUDA tensors.
+            self.group = dist.new_group(backend="gloo")
+            token = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
+            dist.broadcast_object_list(token, src=0, group=self.group)
+            self.token = token[0]
+        else:
+            self.group = None
+            self.token = uuid.uuid4().hex[:8]
+            # Installed for the process, not around each call: async saves warn from their thread.
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE)
+        if cfg.enable and self.rank == 0:
+            self._remove_partial()
+
+    # ------------------------------------------------------------ load
+
+    def load(self) -> int | None:
+        """Restore the run when there is something to resume; the step restored, or None.
+
+        Order: ``load_step`` (this run's folder) > the newest full checkpoint in this run's folder
+        (when ``enable``) > ``initial_load_path`` (weights only with ``initial_load_model_only``).
+        """
+        cfg = self.cfg
+        if cfg.load_step >= 0:
+            path = self.folder / f"step-{cfg.load_step}"
+            if not is_complete(path):
+                steps = [s for s, _ in list_checkpoints(self.folder)]
+                state = "is not a complete checkpoint" if path.exists() else "does not exist"
+                raise FileNotFoundError(
+                    f"checkpoint.load_step = {cfg.load_step}: {path} {state}; complete checkpoints in "
+                    f"{self.folder}: {steps or 'none'}"
+                )
+            return self._load(path, model_only=False, origin="checkpoint.load_step")
+        if cfg.enable:
+            self._warn_incomplete()
+            found = [p for _, p in list_checkpoints(self.folder)]
+            full = [p for p in found if not read_meta(p).get("model_only")]
+            if full:
+                if found[-1] != full[-1] and self.rank == 0:
+                    logger.info("checkpoint: %s holds the model only (a final save); resuming from %s",
+                                found[-1].name, full[-1].name)
+                return self._load(full[-1], model_only=False, origin="resuming")
+        if cfg.initial_load_path:
+            origin = "checkpoint.initial_load_path"
+            path = resolve_checkpoint(Path(cfg.initial_load_path), origin=origin,
+                                      prefer_full=not cfg.initial_load_model_only)
+            return self._load(path, model_only=cfg.initial_load_model_only, origin=origin)
+        if cfg.enable:
+            logger.info("checkpoint: no checkpoint in %s, starting from step 0", self.folder)
+        return None
+
+    def _load(self, path: Path, *, model_only: bool, origin: str) -> int:
+        meta = read_meta(path)
+        where = f"{origin}: {path}"
+        diffs = compare_identity(ModelIdentity.from_json(meta["model"]), self.identity, where)
+        if diffs and self.rank == 0:
+            logger.warning("checkpoint %s: model args differ, the weights fit: %s", path, ", ".join(diffs))
+        if meta.get("model_only") and not model_only:
+            raise ValueError(
+                f"{where} holds the model only (a final save); start from its weights with "
+                "checkpoint.initial_load_model_only = true, or load a full checkpoint"
+            )
+        keys = ["model"] if model_only else list(self.states)
+        missing = [k for k in keys if k not in meta["contents"]]
+        if missing:
+            raise ValueError(f"{where} has no {missing} (it holds {meta['contents']})")
+        t0 = time.perf_counter()
+        try:
+            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), **self._dcp_kwargs())
+        except (Exception, dcp.CheckpointException) as e:  # a BaseException wrapping every rank's failure
+            raise ValueError(f"{where} cannot be loaded: {_first_cause(e)}") from e
+        if self.rank == 0:
+            logger.info(
+                "checkpoint: loaded %s from %s (step %d) in %.2f s",
+                "+".join(keys), path, meta["step"], time.perf_counter() - t0,
+            )
+            saved = meta.get("samples_per_step")
+            if "dataloader" in keys and saved and self.samples_per_step and saved != self.samples_per_step:
+                logger.info(
+                    "dataloader: saved at %d samples per step, this run takes %d: continuing from global "
+                    "sample %d of the same order, grouped into batches differently from here on",
+                    saved, self.samples_per_step, self.states["dataloader"].state_dict()["samples_consumed"],
+                )
+        return 0 if model_only else int(meta["step"])
+
+    # ------------------------------------------------------------ save
+
+    def maybe_save(self, step: int, *, last: bool = False) -> None:
+        """Save when ``step`` is on the interval or the last one; on the last, export if asked."""
+        self._poll()
+        cfg = self.cfg
+        if cfg.enable and (last or step % cfg.interval == 0):
+            if last and cfg.last_save_model_only:
+                self.save(step, model_only=True)
+            else:
+                # the last save is synchronous: the process ends right after it
+                self.save(step, asynchronous=cfg.async_mode == "async" and not last)
+        if last and cfg.export_at_end:
+            self.export(self.dump_folder / "export", step=step)
+
+    def save(self, step: int, *, model_only: bool = False, asynchronous: bool = False) -> None:
+        """Write ``step-<step>`` (full, or the model only in ``export_dtype``); at most one save in flight."""
+        self.wait()
+        if model_only:
+            dtype = DTYPES[self.cfg.export_dtype]
+            states: dict[str, Any] = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
+        else:
+            states = dict(self.states)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "model_only": model_only,
+            "dtype": self.cfg.export_dtype if model_only else None,
+            "contents": list(states),
+            "model": self.identity.to_json(),
+            "world_size": self.world_size,
+            "samples_per_step": self.samples_per_step,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        save = _Save(step, self.folder / f"step-{step}.tmp-{self.token}", self.folder / f"step-{step}", meta,
+                     time.perf_counter())
+        if asynchronous:
+            # Staging copies every tensor to CPU memory before this returns; training goes on
+            # while a thread writes the copy.
+            save.future = dcp.async_save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
+            self.pending = save
+            if self.rank == 0:
+                logger.info("checkpoint: step %d staged in %.2f s, writing in the background",
+                            step, time.perf_counter() - save.started)
+        else:
+            dcp.save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
+            self._commit(save)
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (its files written, then committed)."""
+        if self.pending is not None:
+            save, self.pending = self.pending, None
+            save.future.result()
+            self._commit(save)
+
+    def _poll(self) -> None:
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def _commit(self, save: _Save) -> None:
+        """Rank 0: meta.json, then the rename that makes the checkpoint visible, then pruning."""
+        if self.rank != 0:
+            return
+        (save.tmp / META_FILE).write_text(json.dumps(save.meta, indent=1))
+        if save.final.exists():  # the same step saved again (a run resumed from an earlier step)
+            old = save.final.with_name(f"{save.final.name}.tmp-{self.token}-old")
+            save.final.rename(old)
+            save.tmp.rename(save.final)
+            shutil.rmtree(old)
+        else:
+            save.tmp.rename(save.final)
+        size = sum(f.stat().st_size for f in save.final.iterdir() if f.is_file())
+        logger.info(
+            "checkpoint: saved %s (%s, %.1f MB) in %.2f s",
+            save.final, "model only, " + save.meta["dtype"] if save.meta["model_only"] else "full",
+            size / 1e6, time.perf_counter() - save.started,
+        )
+        self._prune()
+
+    def _prune(self) -> None:
+        k = self.cfg.keep_latest_k
+        if k <= 0:
+            return
+        full = [p for _, p in list_checkpoints(self.folder) if not read_meta(p).get("model_only")]
+        for path in full[:-k]:
+            shutil.rmtree(path)
+            logger.info("checkpoint: removed %s (keep_latest_k = %d)", path, k)
+
+    def _warn_incomplete(self) -> None:
+        if self.rank != 0 or not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.iterdir()):
+            if _STEP_RE.match(path.name) and not is_complete(path):
+                logger.warning("checkpoint: skipping %s: no .metadata or %s, not a complete checkpoint", path, META_FILE)
+
+    def _remove_partial(self) -> None:
+        if not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.iterdir()):
+            if _TMP_RE.match(path.name) and path.is_dir():
+                shutil.rmtree(path)
+                logger.info("checkpoint: removed %s, left by an interrupted save", path)
+
+    def _dcp_kwargs(self) -> dict[str, Any]:
+        return {"process_group": self.group} if self.distributed else {"no_dist": True}
+
+    # ------------------------------------------------------------ export, close
+
+    def export(self, out: Path, *, step: int | None = None) -> None:
+        """Write the live model as a safetensors export (every rank takes part; rank 0 writes)."""
+        from spider_titan.checkpoint.export import full_model_state_dict, write_export  # export imports this module
+
+        t0 = time.perf_counter()
+        tensors = full_model_state_dict(self.states["model"].model)
+        if self.rank == 0:
+            write_export(tensors, self.identity, out, dtype=DTYPES[self.cfg.export_dtype], step=step)
+            logger.info("export: wrote %s (%s) in %.2f s", out, self.cfg.export_dtype, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Wait for the save in flight so the last checkpoint is committed before the process ends."""
+        self.wait()
+
+
+def _first_cause(e: BaseException) -> str:
+    """One line for an exception, looking through DCP's per-rank wrapper."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))
+        if isinstance(e, tuple):  # (exception, traceback) in some torch versions
+            e = e[0]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+def build_checkpointer(cfg, run: "Run", train_state: Stateful) -> Checkpointer:
+    """The run's Checkpointer over the Statefuls that must survive a restart (``cfg`` = [checkpoint])."""
+    states: dict[str, Stateful] = {
+        "model": ModelState(run.model),
+        "optimizer": OptimizerState(run.model, run.optimizer),
+        "lr_scheduler": run.lr_scheduler,
+        "dataloader": run.train_loader,
+        "train_state": train_state,
+        "rng": RNGState(),
+    }
+    identity = ModelIdentity.of(run.spec.name, run.cfg.model.flavor, run.model_args, run.cfg.model.converters)
+    return Checkpointer(
+        cfg, states=states, identity=identity, dump_folder=run.dump_folder,
+        samples_per_step=run.train_loader.global_batch_size * run.cfg.training.gradient_accumulation_steps,
+    )

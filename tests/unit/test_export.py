@@ -1,0 +1,222 @@
+"""Safetensors exports: readable by safetensors alone, rebuilt into the same model, sharded, bf16,
+float8 weights unwrapped; model identity checks; next-byte sampling."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+from spider_titan.checkpoint.export import (
+    INDEX_FILE,
+    full_model_state_dict,
+    load_export_tensors,
+    read_export_config,
+    write_export,
+)
+from spider_titan.checkpoint.manager import ModelIdentity, compare_identity
+from spider_titan.components import registry
+from spider_titan.components.builder import materialize
+from spider_titan.config.manager import parse_args
+from spider_titan.generation import generate, load_model, sample_next
+from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from spider_titan.train import Trainer
+from tests.utils import REPO
+
+# Loads the export with safetensors alone and proves that nothing of spider_titan was imported.
+LOAD_ALONE = """
+import json, sys
+from safetensors.torch import load_file
+tensors = load_file(sys.argv[1])
+assert not [m for m in sys.modules if m.startswith("spider_titan")]
+print(json.dumps({k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The dense debug model after 3 steps, with its final model-only checkpoint and export."""
+    dump = tmp_path_factory.mktemp("trained")
+    argv = [
+        "--job.config_file", "train_configs/debug_dense.toml", "--training.dataset", "mock",
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
+        "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--job.dump_folder", str(dump),
+        "--checkpoint.enable", "true", "--checkpoint.export_at_end", "true",
+    ]
+    log = logging.getLogger("spider_titan")
+    with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():
+        mp.chdir(REPO)
+        mp.setattr(log, "handlers", [])  # the trainer's handler must not outlive this fixture
+        mp.setattr(log, "level", log.level)
+        mp.setattr(log, "propagate", log.propagate)
+        trainer = Trainer(parse_args(argv))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    return trainer.run.model.eval(), dump
+
+
+def test_export_loads_with_safetensors_alone(trained):
+    model, dump = trained
+    proc = subprocess.run([sys.executable, "-c", LOAD_ALONE, str(dump / "export" / "model.safetensors")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    expected = model.state_dict()
+    assert json.loads(proc.stdout) == {k: [list(v.shape), "torch.float32"] for k, v in expected.items()}
+    tensors = safetensors.torch.load_file(dump / "export" / "model.safetensors")
+    assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+    config = read_export_config(dump / "export")
+    assert config["model"]["name"] == "dense" and config["model"]["flavor"] == "debug"
+    assert config["model"]["args"]["dim"] == 128 and config["vocab"]["size"] == VOCAB_SIZE
+    assert config["step"] == 3 and config["dtype"] == "float32"
+
+
+def test_model_from_export_gives_the_same_logits(trained):
+    model, dump = trained
+    fresh, _ = load_model(dump / "export")
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, model(x).logits)
+
+
+def test_script_exports_bf16_shards(trained, tmp_path):
+    model, dump = trained
+    out = tmp_path / "bf16"
+    proc = subprocess.run(
+        [sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(dump / "checkpoint"), "--out", str(out),
+         "--dtype", "bfloat16", "--max_shard_size", "500000"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((out / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((out / f).is_file() for f in files)
+    assert not (out / "model.safetensors").exists()
+    tensors = load_export_tensors(out)
+    expected = model.state_dict()
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[k], v.to(torch.bfloat16)) for k, v in expected.items())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in tensors.values())
+    assert read_export_config(out)["dtype"] == "bfloat16"
+
+
+def test_script_reports_a_missing_checkpoint(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(tmp_path / "none"),
+         "--out", str(tmp_path / "x")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    expected = f"export_safetensors: error: checkpoint: {tmp_path / 'none'} does not exist"
+    assert proc.stderr.strip().splitlines() == [expected]
+
+
+def dense_debug() -> tuple[torch.nn.Module, object]:
+    spec = registry.get("model", "dense")
+    args = spec.build_args("debug")
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    return model, args
+
+
+def test_float8_linears_export_their_high_precision_weights(tmp_path):
+    float8 = pytest.importorskip("torchao.float8")
+    model, args = dense_debug()
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    # fp8 all-gather wraps each converted weight in a tensor subclass, the hardest case to export
+    float8.convert_to_float8_training(
+        model, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        module_filter_fn=lambda mod, fqn: "lm_head" not in fqn,
+    )
+    assert type(model.layers[0].attention.wq).__name__ == "Float8Linear"
+    assert type(model.layers[0].attention.wq.weight).__name__ != "Parameter"
+    write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", args, ["float8"]), tmp_path / "e",
+                 dtype=torch.float32)
+    tensors = load_export_tensors(tmp_path / "e")
+    assert tensors.keys() == plain.keys()
+    assert all(type(t) is torch.Tensor and torch.equal(t, plain[k]) for k, t in tensors.items())
+    fresh, config = load_model(tmp_path / "e")  # a model without converters loads them strictly
+    assert config["trained_with_converters"] == ["float8"]
+
+
+def test_other_flavor_is_a_mismatch_naming_the_fields():
+    spec = registry.get("model", "dense")
+    saved = ModelIdentity.of("dense", "debug", spec.build_args("debug"))
+    current = ModelIdentity.of("dense", "1B", spec.build_args("1B"))
+    with pytest.raises(ValueError) as err:
+        compare_identity(saved, current, "/ckpt/step-10")
+    message = str(err.value)
+    assert "\n" not in message
+    for part in ("/ckpt/step-10", "dim 128 -> 2048", "n_layers 4 -> 22", "'debug'", "'1B'"):
+        assert part in message, message
+    other = ModelIdentity.of("spider", "debug", registry.get("model", "spider").build_args("debug"))
+    with pytest.raises(ValueError, match="holds a 'spider' model"):
+        compare_identity(other, saved, "/ckpt/step-10")
+
+
+def test_args_that_keep_the_shapes_only_differ():
+    spec = registry.get("model", "dense")
+    saved = ModelIdentity.of("dense", "debug", spec.build_args("debug"))
+    current = ModelIdentity.of("dense", "debug", spec.build_args("debug", {"rope_theta": 5e5}))
+    assert compare_identity(saved, current, "x") == ["rope_theta 10000.0 -> 500000.0"]
+
+
+def test_sample_next_draws_bytes_and_eos_only():
+    logits = torch.full((VOCAB_SIZE,), -5.0)
+    logits[PAD_ID] = logits[BOS_ID] = 10.0
+    logits[65] = 1.0
+    assert sample_next(logits, temperature=0) == 65
+    logits[EOS_ID] = 2.0
+    assert sample_next(logits, temperature=0) == EOS_ID
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next(torch.randn(VOCAB_SIZE), temperature=1.0, generator=g) for _ in range(200)}
+    assert draws and all(d < 256 or d == EOS_ID for d in draws)
+
+
+def test_top_k_and_seed():
+    logits = torch.randn(VOCAB_SIZE, generator=torch.Generator().manual_seed(1))
+    logits[256:] = float("-inf")
+    best = int(logits.argmax())
+    g = torch.Generator().manual_seed(0)
+    assert {sample_next(logits, temperature=2.0, top_k=1, generator=g) for _ in range(20)} == {best}
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert {sample_next(logits, temperature=5.0, top_k=3, generator=g) for _ in range(100)} <= top3
+
+
+def test_generate_greedy_follows_argmax(trained):
+    model, _ = trained
+    out = generate(model, b"the ", max_new_bytes=6, temperature=0)
+    ids = [BOS_ID, *b"the "]
+    with torch.no_grad():
+        for byte in out:
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            candidates = torch.cat([logits[:256], logits[EOS_ID:EOS_ID + 1]])  # bytes, then EOS
+            assert int(candidates.argmax()) == byte
+            ids.append(byte)
+    sampled = [generate(model, b"the ", max_new_bytes=6, temperature=0.9, seed=3) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_checkpoint_io_benchmark_reports_debug_and_1b(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from spider_titan.checkpoint import bench
+
+    monkeypatch.setattr(bench, "PROBE_MIB", 16)
+    monkeypatch.setattr(bench, "REPEATS", 1)
+    result = bench.benchmark_checkpoint_io(Namespace(dump_folder=str(tmp_path)))
+    assert result["probe"]["write_mb_s"] > 0
+    for name in registry.names("model"):
+        debug, big = result[name]["debug"], result[name]["1B"]
+        assert debug["save_s"] > 0 and debug["load_s"] > 0 and debug["checkpoint_mb"] > 3 * debug["export_fp32_mb"] > 0
+        # fp32 weights + two AdamW moments: 12 bytes per parameter
+        assert big["estimated"] and big["checkpoint_gb"] == pytest.approx(12e-3 * big["params_m"], rel=0.01)
+        assert big["save_s"] > 0 and big["load_s"] > 0
+    assert not (tmp_path / "checkpoint_io").exists()
