@@ -24,9 +24,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from spider_titan.data.shards import METADATA_NAME, ShardWriter, write_metadata
+from spider_titan.data.shards import METADATA_NAME, ShardWriter, corpus_metadata, write_metadata
 from spider_titan.data.tokenizer import encode_bytes
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 logger = logging.getLogger("spider_titan")
 
@@ -111,23 +110,11 @@ def _build(folder: Path, stdlib: Path) -> dict:
         total += tokens.size
     for writer in writers.values():
         writer.close()
-    metadata = {
-        "name": CORPUS_NAME,
-        "source": f"Python {sys.version.split()[0]} standard library ({stdlib}) and pydoc_data help topics",
-        "tokenizer": "bytes",
-        "vocab_size": VOCAB_SIZE,
-        "pad_id": PAD_ID,
-        "bos_id": BOS_ID,
-        "eos_id": EOS_ID,
-        "dtype": "uint16",
-        "format": "header",
-        "documents": sum(documents.values()),
-        "tokens": total,
-        "splits": {
-            split: {"documents": documents[split], "tokens": w.num_tokens, "shards": len(w.paths)}
-            for split, w in writers.items()
-        },
-        "val_every": VAL_EVERY,
-    }
+    metadata = corpus_metadata(
+        writers, documents, "header",
+        name=CORPUS_NAME,
+        source=f"Python {sys.version.split()[0]} standard library ({stdlib}) and pydoc_data help topics",
+        val_every=VAL_EVERY,
+    )
     write_metadata(folder, metadata)
     return metadata

@@ -234,6 +234,26 @@ class ShardWriter:
         self.paths.append(write_shard(path, tokens, header=self.header))
 
 
+def corpus_metadata(writers: dict[str, "ShardWriter"], documents: dict[str, int], fmt: str, **extra) -> dict:
+    """The metadata.json of a corpus written by one ShardWriter per split (plus ``extra`` fields)."""
+    return {
+        "tokenizer": "bytes",
+        "vocab_size": VOCAB_SIZE,
+        "pad_id": PAD_ID,
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "dtype": "uint16",
+        "format": fmt,
+        "documents": sum(documents.values()),
+        "tokens": sum(w.num_tokens for w in writers.values()),
+        "splits": {
+            split: {"documents": documents[split], "tokens": w.num_tokens, "shards": len(w.paths)}
+            for split, w in writers.items()
+        },
+        **extra,
+    }
+
+
 def prepare_shards(
     inputs: Sequence[str | Path],
     out: str | Path,
@@ -299,26 +319,11 @@ def prepare_shards(
     if val_fraction > 0 and not documents["val"]:
         logger.warning("prepare_data: only 1 document, so the val split is empty; pass more files or a .jsonl")
 
-    metadata = {
-        "tokenizer": "bytes",
-        "vocab_size": VOCAB_SIZE,
-        "pad_id": PAD_ID,
-        "bos_id": BOS_ID,
-        "eos_id": EOS_ID,
-        "dtype": "uint16",
-        "format": fmt,
-        "documents": sum(documents.values()),
-        "tokens": sum(w.num_tokens for w in writers.values()),
-        "splits": {
-            split: {"documents": documents[split], "tokens": w.num_tokens, "shards": len(w.paths)}
-            for split, w in writers.items()
-        },
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "shard_tokens": shard_tokens,
-        "inputs": [str(i) for i in inputs],
-        "files": len(files),
-    }
+    metadata = corpus_metadata(
+        writers, documents, fmt,
+        val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens,
+        inputs=[str(i) for i in inputs], files=len(files),
+    )
     write_metadata(out, metadata)
     logger.info(
         "prepare_data: wrote %d documents, %d tokens (train %d, val %d) to %s",
