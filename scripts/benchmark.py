@@ -240,6 +240,15 @@ def _core_block_live_bytes(block, args, *, seq: int) -> int:
     return live.total
 
 
+@scenario("comm")
+def comm(args: argparse.Namespace) -> dict:
+    """Bytes all-gathered / reduce-scattered / all-to-all'd per step on 2 gloo ranks: core bytes
+    vs n_loops, fp8 vs bf16 all-gather, expert parallel (spider_titan/parallel/comm_bench.py)."""
+    from spider_titan.parallel.comm_bench import benchmark_comm
+
+    return benchmark_comm(args)
+
+
 @scenario("checkpoint_io")
 def checkpoint_io(args: argparse.Namespace) -> dict:
     """DCP save/load time and size for the debug flavors, and the 1B flavors estimated from a

@@ -42,7 +42,7 @@ COMPONENTS: dict[str, dict[str, str]] = {
         "jsonl": "spider_titan.metrics.logger:build_jsonl_logger",
         "tensorboard": "spider_titan.metrics.logger:build_tensorboard_logger",
     },
-    # apply_parallelism(model, spec, parallel_dims, cfg) -> None
+    # apply_parallelism(model, spec, dims, meshes, cfg, *, param_dtype, reduce_dtype, dump_folder) -> CommCounter | None
     "parallelize": {
         "fsdp": "spider_titan.parallel.parallelize:apply_parallelism",
     },

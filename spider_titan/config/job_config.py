@@ -121,6 +121,9 @@ class Parallelism:
     gathered between forward and backward (more memory, fewer all-gathers)."""
     fsdp_enabled: Literal["auto", "always", "never"] = "auto"
     """``auto`` = wrap with FSDP2 when the data-parallel world is > 1."""
+    comm_counter: bool = False
+    """Count the bytes every collective moves (FSDP all-gather / reduce-scatter per unit, expert
+    all-to-all per MoE layer) and write one JSON line per step to <dump_folder>/comm_counts.jsonl."""
 
 
 @dataclass

@@ -269,6 +269,7 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
         if value not in registry.names(kind):
             problems.append(f"{key}: {value!r} is not a registered {kind}; choose one of {registry.names(kind)}")
 
+    model_args = None
     check_name("model.name", "model", cfg.model.name)
     check_name("optimizer.name", "optimizer", cfg.optimizer.name)
     check_name("lr_scheduler.decay_type", "lr_scheduler", cfg.lr_scheduler.decay_type)
@@ -284,7 +285,7 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
                 f"model.flavor: {cfg.model.flavor!r} is not a flavor of {cfg.model.name}; choose one of {list(spec.flavors)}"
             )
         else:
-            args = spec.build_args(cfg.model.flavor, cfg.model.overrides)
+            args = model_args = spec.build_args(cfg.model.flavor, cfg.model.overrides)
             check = getattr(args, "validate", None)
             if check is not None:
                 problems.extend(f"model.{p}" for p in check())
@@ -320,22 +321,29 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
             f"activation_checkpoint.selective_ac_option: {ac.selective_ac_option!r} must be 'op' or a positive integer"
         )
 
-    from spider_titan.parallel.mesh import ParallelDims
+    from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 
     world_size = int(env.get("WORLD_SIZE", "1"))
-    problems.extend(ParallelDims.from_config(cfg.parallelism, world_size, check=False).problems())
-    if cfg.model.name == "spider" and cfg.parallelism.expert_parallel_degree > 1 and cfg.model.flavor in (
-        registry.get("model", "spider").flavors
-    ):
-        args = registry.get("model", "spider").build_args(cfg.model.flavor, cfg.model.overrides)
-        ep = cfg.parallelism.expert_parallel_degree
-        if args.n_experts % ep:
-            problems.append(
-                f"parallelism.expert_parallel_degree: n_experts ({args.n_experts}) is not divisible by {ep}; "
-                "choose a degree that divides the expert count"
-            )
-    if cfg.float8.enable_fsdp_float8_all_gather and "float8" not in cfg.model.converters and t.precision != "fp8":
+    par = cfg.parallelism
+    dims = ParallelDims.from_config(par, world_size, check=False)
+    problems.extend(dims.problems())
+    n_experts = getattr(model_args, "n_experts", None) if model_args is not None else None
+    if par.expert_parallel_degree > 1 and n_experts is not None and n_experts % par.expert_parallel_degree:
+        problems.append(
+            f"parallelism.expert_parallel_degree: n_experts({n_experts}) = experts_per_rank * "
+            f"expert_parallel_degree({par.expert_parallel_degree}) has no whole-number experts_per_rank; "
+            "choose a degree that divides the expert count"
+        )
+    if par.expert_parallel_degree > 1 and par.fsdp_enabled == "never":
+        problems.append("parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp_enabled = \"auto\"")
+    fp8_all_gather = cfg.float8.enable_fsdp_float8_all_gather
+    if fp8_all_gather and "float8" not in cfg.model.converters and t.precision != "fp8":
         problems.append("float8.enable_fsdp_float8_all_gather: needs the float8 converter (model.converters = [\"float8\"])")
+    elif fp8_all_gather and not (world_size > 1 and use_fsdp(par, dims)):
+        problems.append(
+            f"float8.enable_fsdp_float8_all_gather: needs FSDP, which is off (WORLD_SIZE={world_size}, "
+            f"parallelism.fsdp_enabled = {par.fsdp_enabled!r}); launch with torchrun on 2+ ranks or set it to false"
+        )
     return problems
 
 

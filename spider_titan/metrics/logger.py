@@ -36,7 +36,6 @@ def setup_logging(rank: int) -> None:
     handler.setFormatter(logging.Formatter(f"[rank{rank}] %(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
 
 
 def peak_flops(device: torch.device) -> float | None:

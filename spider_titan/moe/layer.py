@@ -99,9 +99,15 @@ class GroupedExperts(nn.Module):
         return _GroupedMM.apply(a, b, offs)
 
     def forward(self, x_exp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self.swiglu(x_exp, offs, self.w1, self.w3, self.w2)
+
+    def swiglu(
+        self, x_exp: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' SwiGLU on explicit weights (expert parallel passes its local shards)."""
         # Mask each product right away: garbage in unwritten rows would become NaN through
         # silu' in the backward even behind a later mask (0 * NaN = NaN).
-        w1, w3, w2 = (w if w.dtype == x_exp.dtype else w.to(x_exp.dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (w if w.dtype == x_exp.dtype else w.to(x_exp.dtype) for w in (w1, w3, w2))
         gate = _zero_rows_past_end(self._grouped_mm(x_exp, w1, offs), offs)  # (R, inter)
         up = _zero_rows_past_end(self._grouped_mm(x_exp, w3, offs), offs)  # (R, inter)
         h = F.silu(gate) * up

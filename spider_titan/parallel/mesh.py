@@ -9,13 +9,15 @@ Meshes (fixed names; each a view of one world mesh, made with ``_unflatten``):
     "ep"     expert parallel: the ``ep`` consecutive ranks that split the experts
     "efsdp"  expert parameters' FSDP: ("dp_shard_mod_ep",) or ("dp_replicate", "dp_shard_mod_ep"),
              the data-parallel ranks that hold the same experts
+
+Rank layout (world rank = ((replica * dp_shard_mod_ep) + j) * ep + e): the EP ranks are adjacent,
+so on GPUs an EP group sits inside one node where the all-to-all is fastest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -45,10 +47,12 @@ class ParallelDims:
         if self.ep < 1:
             out.append(f"parallelism.expert_parallel_degree: {self.ep} must be >= 1")
         if self.dp_shard == -1:
-            out.append(
-                f"parallelism: WORLD_SIZE({self.world_size}) is not divisible by "
-                f"data_parallel_replicate_degree({self.dp_replicate}); choose a replicate degree that divides it"
-            )
+            if self.dp_replicate >= 1:
+                out.append(
+                    f"parallelism: WORLD_SIZE({self.world_size}) = dp_replicate({self.dp_replicate}) * dp_shard(-1) "
+                    "has no whole-number dp_shard; choose a data_parallel_replicate_degree that divides "
+                    f"{self.world_size}"
+                )
         elif self.dp_shard < 1:
             out.append(f"parallelism.data_parallel_shard_degree: {self.dp_shard} must be >= 1 or -1 (the rest)")
         elif self.dp_replicate >= 1 and self.dp_replicate * self.dp_shard != self.world_size:
@@ -59,8 +63,9 @@ class ParallelDims:
             )
         if self.ep >= 1 and self.dp_shard >= 1 and self.dp_shard % self.ep:
             out.append(
-                f"parallelism: expert_parallel_degree({self.ep}) must divide dp_shard({self.dp_shard}) "
-                "(EP ranks are drawn from the FSDP dimension); choose an EP degree that divides it"
+                f"parallelism: dp_shard({self.dp_shard}) = dp_shard_mod_ep * ep({self.ep}) has no whole-number "
+                "dp_shard_mod_ep (expert-parallel ranks are drawn from the FSDP dimension); "
+                f"choose an expert_parallel_degree that divides {self.dp_shard}"
             )
         return out
 
@@ -85,6 +90,22 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def gradient_divide_factor(self) -> int:
+        """What every gradient is divided by after its reduction: the data-parallel degree.
+
+        Dense gradients are summed over all dp ranks. An expert's gradient already holds the
+        tokens of its whole EP group (the all-to-all backward brings them) and is then summed over
+        the ``efsdp`` ranks only: the same total, so the same divisor, not the efsdp size.
+        """
+        return self.dp_degree
+
+    def describe(self) -> str:
+        parts = [f"dp_replicate {self.dp_replicate}", f"dp_shard {self.dp_shard}"]
+        if self.ep_enabled:
+            parts.append(f"ep {self.ep} (efsdp {self.dp_replicate * self.dp_shard_mod_ep})")
+        return f"{' x '.join(parts)} = {self.world_size} ranks"
+
     def build_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
         """One init_device_mesh call, then the named views of the module docstring."""
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
@@ -100,5 +121,6 @@ class ParallelDims:
         }
 
 
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def use_fsdp(cfg, dims: ParallelDims) -> bool:
+    """Whether FSDP2 wraps the model (``cfg`` is [parallelism]): ``auto`` = more than one dp rank."""
+    return cfg.fsdp_enabled == "always" or (cfg.fsdp_enabled == "auto" and dims.fsdp_enabled)

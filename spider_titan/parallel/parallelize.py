@@ -1,22 +1,40 @@
 """The ``parallelize`` component: apply the parallelisms ParallelDims asks for, in order.
 
 Order: expert parallel (shards the experts over "ep"), then FSDP2 / HSDP over the data-parallel
-ranks. Everything is applied in place to an already materialised model.
+ranks (dense parameters over "fsdp", expert parameters over "efsdp"). Everything is applied in
+place to an already materialised model.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from spider_titan.models.common import ModelSpec
+from spider_titan.parallel.comm_counter import CommCounter
+from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from spider_titan.parallel.fsdp import apply_fsdp
-from spider_titan.parallel.mesh import ParallelDims
+from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 
 logger = logging.getLogger("spider_titan")
+
+COMM_COUNTS_FILE = "comm_counts.jsonl"
+
+
+def fsdp_units(spec: ModelSpec, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The FSDP units below the root, innermost first: every block, except that a recurrent
+    container's blocks are not units of their own, their owner (the module running the loop,
+    the container's parent) is one unit instead (see fsdp.py)."""
+    owners = _loop_owners(spec)
+    inside_owner = lambda fqn: any(o == "" or fqn.startswith(o + ".") for o in owners)  # noqa: E731
+    units = [(fqn, block) for fqn, block in spec.blocks(model) if not inside_owner(fqn)]
+    units += [(o, model.get_submodule(o)) for o in owners if o]
+    return units
 
 
 def apply_parallelism(
@@ -28,27 +46,72 @@ def apply_parallelism(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-) -> None:
-    """``cfg`` is the [parallelism] section; the dtypes are the ones chosen for the device."""
-    if dims.ep_enabled:
+    dump_folder: Path | None = None,
+) -> CommCounter | None:
+    """``cfg`` is the [parallelism] section; the dtypes are the ones chosen for the device.
+
+    Returns the CommCounter when ``parallelism.comm_counter`` is on (it closes a step at every
+    optimizer step and, given a ``dump_folder``, appends it to ``<dump_folder>/comm_counts.jsonl``).
+    """
+    fsdp = use_fsdp(cfg, dims)
+    if (fsdp or dims.ep_enabled) and meshes is None:
         raise ValueError(
-            "parallelism.expert_parallel_degree > 1 is not available yet; set expert_parallel_degree = 1"
+            "parallelism: FSDP / expert parallel need a process group; launch with torchrun "
+            "(WORLD_SIZE > 1) or set parallelism.fsdp_enabled = \"auto\""
         )
-    fsdp = cfg.fsdp_enabled == "always" or (cfg.fsdp_enabled == "auto" and dims.fsdp_enabled)
+    if dims.ep_enabled and not fsdp:
+        raise ValueError("parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp_enabled = \"auto\"")
+    counter = None
+    if cfg.comm_counter:
+        counter = CommCounter(Path(dump_folder) / COMM_COUNTS_FILE if dump_folder is not None else None)
+        counter.attach_to_optimizer_steps()
+
+    expert_params: list[nn.Parameter] = []
+    if dims.ep_enabled:
+        n = apply_expert_parallel(model, meshes["ep"], counter=counter)
+        expert_params = [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()]
+        logger.info("expert parallel: experts of %d MoE layers sharded over %d ranks", n, dims.ep)
+        for owner in _loop_owners(spec):
+            _keep_looping_in_step(model.get_submodule(owner) if owner else model, owner or "root")
     if not fsdp:
-        return
+        return counter
+    units = fsdp_units(spec, model)
     apply_fsdp(
         model,
         meshes["fsdp"],
-        blocks=[b for _, b in spec.blocks(model)],
+        units=units,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        expert_params=expert_params,
+        expert_mesh=meshes["efsdp"] if dims.ep_enabled else None,
+        gradient_divide_factor=dims.gradient_divide_factor,
+        counter=counter,
     )
     logger.info(
-        "FSDP2 over %d ranks%s, %d block units, params %s",
-        dims.dp_degree,
-        f" (HSDP {dims.dp_replicate} x {dims.dp_shard})" if dims.hsdp_enabled else "",
-        len(spec.blocks(model)),
-        str(param_dtype).replace("torch.", ""),
+        "FSDP2 over %s: %d units (%s) + root, params %s, reduce %s",
+        dims.describe(), len(units), ", ".join(f for f, _ in units),
+        str(param_dtype).replace("torch.", ""), str(reduce_dtype).replace("torch.", ""),
     )
+    return counter
+
+
+def _loop_owners(spec: ModelSpec) -> list[str]:
+    """FQNs of the modules that run a recurrent container's loop (its parent; "" = the root)."""
+    return sorted({c.rpartition(".")[0] for c in spec.recurrent_containers})
+
+
+def _keep_looping_in_step(owner: nn.Module, name: str) -> None:
+    """Under expert parallel every rank of an EP group must run the same number of loops: each
+    loop's MoE layers exchange tokens with all of them. An eval-time early exit (``early_exit``
+    keyword of the loop's forward) decides on local data only, so ranks could stop at different
+    loops and wait on each other forever. It is switched off; by the early-exit contract an
+    already-halted output does not change with more loops, so only the saved compute is lost."""
+    if "early_exit" not in inspect.signature(owner.forward).parameters:
+        return
+
+    def no_early_exit(module, args, kwargs):
+        return args, {**kwargs, "early_exit": False}
+
+    owner.register_forward_pre_hook(no_early_exit, with_kwargs=True)
+    logger.info("expert parallel: eval early exit of %s off (EP ranks must run the same loops)", name)

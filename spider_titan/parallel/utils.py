@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -20,18 +23,39 @@ def world_size() -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Total gradient 2-norm over all parameters (DTensor-aware), clipped to ``max_norm`` if > 0.
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Total gradient norm over all parameters, clipped to ``max_norm`` if > 0; returns the norm.
 
-    Sharded gradients give a partial norm per rank; ``full_tensor()`` reduces it so every rank
-    clips by the same global norm.
+    Gradients may be DTensors on different meshes: FSDP shards dense parameters over "fsdp" and,
+    under expert parallel, the experts over "efsdp" x "ep"; a DTensor norm cannot mix meshes. So
+    every rank sums ``|g|^p`` over its local shards, each divided by how many ranks hold that
+    same shard (the world size over the number of distinct shards: replicas under HSDP, or the
+    ranks outside a smaller mesh), and one all-reduce over the world adds it all up: each shard
+    counted once, and the same bits on every rank, so every rank clips by the same factor.
+    Plain tensors count as replicated on every rank.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    ws = world_size()
+    by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)  # ranks holding a shard -> local shards
+    for g in grads:
+        if isinstance(g, DTensor):
+            shards = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if not p.is_replicate())
+            by_copies[ws // shards].append(g.to_local())
+        else:
+            by_copies[ws].append(g)
+    inf = math.isinf(norm_type)
+    parts = []
+    for copies, tensors in by_copies.items():
+        n = torch.nn.utils.get_total_norm(tensors, norm_type=norm_type, foreach=True).float()
+        parts.append(n if inf else n.pow(norm_type) / copies)
+    total = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+    if ws > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    if not inf:
+        total = total.pow(1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef.to(grads[0].device))
     return total

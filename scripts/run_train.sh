@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Launch spider_titan training with torchrun, on one node or several (docs/multinode.md).
+#
+#   scripts/run_train.sh --job.config_file train_configs/debug_model.toml [--section.key value ...]
+#
+# Environment (defaults in brackets):
+#   NGPU           processes on this node: its GPUs, or CPU processes [all visible GPUs, else 1]
+#   NNODES         nodes taking part [1]
+#   NODE_RANK      this node's index, 0..NNODES-1; node 0 hosts the rendezvous store [0]
+#   RDZV_ENDPOINT  host:port of node 0, reachable from every node (needed when NNODES > 1)
+#   RDZV_ID        a name shared by the nodes of one job [spider_titan]
+#   CONFIG_FILE    used when no --job.config_file argument is given [train_configs/debug_model.toml]
+#
+# One node and no RDZV_ENDPOINT: torchrun --standalone. Otherwise a c10d rendezvous at
+# RDZV_ENDPOINT. The trainer picks NCCL when CUDA is available and gloo on CPU.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+
+if [[ -z "${NGPU:-}" ]]; then
+    NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 1)")
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+RDZV_ID=${RDZV_ID:-spider_titan}
+
+args=("$@")
+if [[ " ${args[*]-} " != *" --job.config_file"* ]]; then
+    args=(--job.config_file "${CONFIG_FILE:-train_configs/debug_model.toml}" "${args[@]}")
+fi
+
+if [[ "$NNODES" == 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
+    launch=(--standalone --nnodes 1)
+else
+    if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+        echo "run_train.sh: NNODES=$NNODES needs RDZV_ENDPOINT=host:port of node 0" >&2
+        exit 2
+    fi
+    is_host=$([[ "$NODE_RANK" == 0 ]] && echo 1 || echo 0)
+    launch=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
+            --rdzv-conf "is_host=$is_host")
+fi
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec python -m torch.distributed.run "${launch[@]}" --nproc-per-node "$NGPU" --max-restarts 0 \
+    -m spider_titan.train "${args[@]}"

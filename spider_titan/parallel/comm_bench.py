@@ -1,0 +1,192 @@
+"""The ``comm`` benchmark: bytes each collective moves per training step, by parallel layout.
+
+    python scripts/benchmark.py comm
+
+Runs ``comm_world_size`` (default 2) gloo processes on this machine and measures with the
+CommCounter (comm_counter.py). Byte counts do not depend on the device, so a CPU measures what a
+GPU run would move. Each scenario builds the Spider debug flavor (or a stack of linears), applies
+the parallelisms the way the builder does, and trains ``comm_steps`` (default 2) steps on random
+bytes; the numbers are those of the last step.
+
+Scenarios (``comm_scenarios``, comma-separated):
+  n_loops          FSDP over all ranks, n_loops 2 and 4: all-gather and reduce-scatter bytes of the
+                   core unit and in total. For contrast, the same with a unit per core block (how
+                   FSDP is usually applied), whose bytes grow with the loop count.
+  float8           FSDP with bf16 parameters, float8 converter, without and with fp8 all-gather:
+                   all-gather bytes per unit.
+  float8_linears   the same for a stack of converted linears alone, one FSDP unit each (every
+                   unit all-float8: the payload moves as uint8): exactly the linear weights' bytes.
+  expert_parallel  EP over all ranks (experts split ``world_size`` ways) inside FSDP: all-to-all,
+                   all-gather and reduce-scatter bytes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SCENARIOS = ("n_loops", "float8", "float8_linears", "expert_parallel")
+
+
+def benchmark_comm(args: argparse.Namespace) -> dict:
+    """Run the scenarios named by ``args.comm_scenarios`` (default all) and return their bytes."""
+    world_size = int(getattr(args, "comm_world_size", None) or 2)
+    steps = int(getattr(args, "comm_steps", None) or 2)
+    names = getattr(args, "comm_scenarios", None) or ",".join(SCENARIOS)
+    scenarios = [s for s in names.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        raise ValueError(f"comm_scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        torch.multiprocessing.spawn(
+            _worker, args=(world_size, str(Path(tmp) / "store"), scenarios, steps, str(out)), nprocs=world_size
+        )
+        result = json.loads(out.read_text())
+    return {"world_size": world_size, "steps": steps, "unit": "bytes per step on rank 0", **result}
+
+
+def _worker(rank: int, world_size: int, store: str, scenarios: list[str], steps: int, out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        result = {name: _RUNNERS[name](world_size, steps) for name in scenarios}
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dtype: torch.dtype,
+                 per_block_units: bool = False) -> dict[str, dict[str, int]]:
+    """Train the Spider debug flavor ``steps`` steps under FSDP (+ overrides); the last step's tally."""
+    from spider_titan.components.builder import build_model, materialize
+    from spider_titan.config.manager import parse_args
+    from spider_titan.parallel.comm_counter import CommCounter
+    from spider_titan.parallel.fsdp import apply_fsdp
+    from spider_titan.parallel.mesh import ParallelDims
+    from spider_titan.parallel.parallelize import apply_parallelism
+    from spider_titan.parallel.utils import clip_grad_norm_
+    from spider_titan.quantization.float8 import build_float8_post_step_hook
+
+    cfg = parse_args(["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true",
+                      *overrides], env={"WORLD_SIZE": str(world_size)})
+    spec, _, model = build_model(cfg)
+    materialize(model, torch.device("cpu"), cfg.training.seed)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    meshes = dims.build_meshes("cpu")
+    if per_block_units:
+        counter = CommCounter()
+        counter.attach_to_optimizer_steps()
+        apply_fsdp(model, meshes["fsdp"], units=spec.blocks(model), param_dtype=param_dtype,
+                   reduce_dtype=torch.float32, counter=counter)
+    else:
+        counter = apply_parallelism(model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype,
+                                    reduce_dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    post_step = build_float8_post_step_hook(model, cfg.float8)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 65), generator=gen)
+        model(x[:, :-1], labels=x[:, 1:]).loss.backward()
+        clip_grad_norm_(list(model.parameters()), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if post_step is not None:
+            post_step()
+    counter.detach()
+    return counter.steps[-1]
+
+
+def _total(tally: dict, kind: str, prefix: str = "") -> int:
+    from spider_titan.parallel.comm_counter import step_total
+
+    return step_total(tally, kind, prefix)
+
+
+def _n_loops(world_size: int, steps: int) -> dict:
+    out = {}
+    for n in (2, 4):
+        loop_unit = _spider_step(world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32)
+        per_block = _spider_step(world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32,
+                                 per_block_units=True)
+        out[f"n_loops_{n}"] = {
+            "core_all_gather": _total(loop_unit, "all_gather", "core"),
+            "core_reduce_scatter": _total(loop_unit, "reduce_scatter", "core"),
+            "total_all_gather": _total(loop_unit, "all_gather"),
+            "total_reduce_scatter": _total(loop_unit, "reduce_scatter"),
+            "per_block_units_core_all_gather": _total(per_block, "all_gather", "core.layers"),
+            "per_block_units_core_reduce_scatter": _total(per_block, "reduce_scatter", "core.layers"),
+        }
+    return out
+
+
+def _float8(world_size: int, steps: int) -> dict:
+    base = ["--model.converters", "float8"]
+    bf16 = _spider_step(world_size, steps, base, param_dtype=torch.bfloat16)["all_gather"]
+    fp8 = _spider_step(world_size, steps, base + ["--float8.enable_fsdp_float8_all_gather", "true"],
+                       param_dtype=torch.bfloat16)["all_gather"]
+    return {
+        "bf16_all_gather": bf16,
+        "fp8_all_gather": fp8,
+        "ratio_by_unit": {k: round(fp8[k] / bf16[k], 4) for k in bf16},
+    }
+
+
+def _float8_linears(world_size: int, steps: int) -> dict:
+    out = {name: _linear_stack_all_gather(world_size, steps, fp8_all_gather=on) for name, on in
+           (("bf16_all_gather", False), ("fp8_all_gather", True))}
+    return {**out, "ratio": round(out["fp8_all_gather"] / out["bf16_all_gather"], 4)}
+
+
+def _linear_stack_all_gather(world_size: int, steps: int, *, fp8_all_gather: bool, dim: int = 256) -> int:
+    """All-gather bytes per step of 4 converted linears, one FSDP unit each, bf16 parameters."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    from spider_titan.parallel.comm_counter import CommCounter
+    from spider_titan.parallel.fsdp import apply_fsdp
+    from spider_titan.parallel.mesh import ParallelDims
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(4)])
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather))
+    meshes = ParallelDims(dp_replicate=1, dp_shard=world_size, ep=1, world_size=world_size).build_meshes("cpu")
+    counter = CommCounter()
+    counter.attach_to_optimizer_steps()
+    apply_fsdp(model, meshes["fsdp"], units=list(model.named_children()), param_dtype=torch.bfloat16,
+               reduce_dtype=torch.float32, counter=counter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        model(torch.randn(16, dim, generator=gen)).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fp8_all_gather:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+    counter.detach()
+    return _total(counter.steps[-1], "all_gather")
+
+
+def _expert_parallel(world_size: int, steps: int) -> dict:
+    tally = _spider_step(world_size, steps, ["--parallelism.expert_parallel_degree", str(world_size)],
+                         param_dtype=torch.float32)
+    return {
+        "expert_parallel_degree": world_size,
+        "all_to_all": _total(tally, "all_to_all"),
+        "all_to_all_by_layer": tally.get("all_to_all", {}),
+        "all_gather": _total(tally, "all_gather"),
+        "reduce_scatter": _total(tally, "reduce_scatter"),
+    }
+
+
+_RUNNERS = {
+    "n_loops": _n_loops, "float8": _float8, "float8_linears": _float8_linears, "expert_parallel": _expert_parallel,
+}

@@ -1,0 +1,86 @@
+"""Count the bytes every collective of a training step moves, per kind and per owner.
+
+Filled in by the collectives themselves: FSDP2's all-gather and reduce-scatter go through this
+package's custom comms (float8_allgather.py, fsdp.py), tagged with the FSDP unit's FQN (``root``
+for the root unit, ``<unit>.experts`` for expert weights sharded over the ``efsdp`` mesh), and
+the expert-parallel all-to-alls (expert_parallel.py) are tagged with their MoE layer.
+
+Bytes are the logical collective sizes on this rank (what nccl-tests calls "size"):
+    all_gather      the gathered output, world_size x the local shard
+    reduce_scatter  the input, i.e. the unsharded gradient buffer
+    all_to_all      what this rank sends (its receive counts are another rank's sends)
+HSDP's all-reduce of the sharded gradient across replicas is FSDP2's plain ``dist.all_reduce``
+and is not seen here; it moves the reduce-scatter's output, 1/shard of its input.
+
+A step ends at every ``optimizer.step()`` (a global optimizer post-hook): :meth:`CommCounter.step`
+closes the step's tally, and with a ``path`` rank 0 appends it as one JSON line (``step`` counts
+the optimizer steps of this process, so a resumed run starts again at 1).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+class CommCounter:
+    """Running byte totals keyed by (kind, tag), and the per-step tallies."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else None
+        self._totals: dict[tuple[str, str], int] = defaultdict(int)
+        self._at_last_step: dict[tuple[str, str], int] = {}
+        self.steps: list[dict[str, dict[str, int]]] = []
+        self._hook = None
+
+    def add(self, kind: str, tag: str, nbytes: int) -> None:
+        self._totals[(kind, tag)] += int(nbytes)
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """``{kind: {tag: bytes}}`` since the counter was made."""
+        return _nest(self._totals)
+
+    def step(self) -> dict[str, dict[str, int]]:
+        """Close the current step: its ``{kind: {tag: bytes}}`` (also kept in ``steps``)."""
+        delta = {k: v - self._at_last_step.get(k, 0) for k, v in self._totals.items()}
+        self._at_last_step = dict(self._totals)
+        tally = _nest({k: v for k, v in delta.items() if v})
+        self.steps.append(tally)
+        if self.path is not None and _rank() == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": len(self.steps), "rank": 0, **tally}) + "\n")
+        return tally
+
+    def attach_to_optimizer_steps(self) -> None:
+        """Call :meth:`step` after every ``optimizer.step()`` in this process, until :meth:`detach`."""
+        self.detach()
+        self._hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self.step())
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def step_total(tally: dict[str, dict[str, int]], kind: str, prefix: str = "") -> int:
+    """Bytes of ``kind`` in one step's tally, over the tags that start with ``prefix``."""
+    return sum(v for tag, v in tally.get(kind, {}).items() if tag.startswith(prefix))
+
+
+def read_comm_counts(path: str | Path) -> list[dict]:
+    """The rows a :class:`CommCounter` with a ``path`` wrote, one per optimizer step."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _nest(flat: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (kind, tag), v in sorted(flat.items()):
+        out.setdefault(kind, {})[tag] = v
+    return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,228 @@
+"""Parallel layouts of the Spider debug model vs one process, and what their collectives move.
+
+Each parallel CLI run is compared with a 1-process run that sees the same micro-batches: the
+reference keeps the local batch and accumulates ``dp`` micro-batches, so its micro-batch r is
+rank r's batch (the loader gives rank r the r-th slice of each global batch) and the
+per-micro-batch aux losses (MoE load balance, boundary, ponder: all in the total loss) are
+averaged exactly as the ranks' are. ``max_segment_bytes = 1`` puts a boundary after every byte,
+so the boundary predictor's Gumbel noise (drawn per rank from the same seed) cannot make the
+segmentations differ; every other path of the model runs as usual.
+
+AdamW hardly notices a gradient off by a constant factor, so the losses alone would not catch a
+wrong gradient scale (e.g. expert gradients divided by the efsdp size instead of the dp degree):
+the CLI tests also compare the gradient norm, and ``test_gradients_match_one_process`` compares
+every parameter's gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spider_titan.parallel.comm_counter import read_comm_counts, step_total
+from tests.utils import REPO, check_ok, read_metrics, run_train
+
+COMMON = [
+    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "spider", "--model.flavor", "debug",
+    "--training.dataset", "mock", "--training.steps", "5", "--training.seq_len", "64",
+    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
+    "--training.deterministic", "true", "--model.max_segment_bytes", "1",
+]
+TRITON = {"TRITON_INTERPRET": "1"}
+
+# name -> (nprocs, extra args, env); the references accumulate what the ranks split
+RUNS = {
+    "ref_dp2": (1, ["--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "2"], None),
+    "ref_dp4": (1, ["--training.local_batch_size", "1", "--training.gradient_accumulation_steps", "4"], None),
+    "fsdp2": (2, ["--training.local_batch_size", "2", "--parallelism.comm_counter", "true"], None),
+    "fsdp2_loops4": (2, ["--training.local_batch_size", "2", "--parallelism.comm_counter", "true",
+                         "--model.n_loops", "4"], None),
+    "hsdp2x2": (4, ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2"], None),
+    # EP 2 inside FSDP 2 (experts not FSDP-sharded further), with the Triton MoE backend
+    "ep2_fsdp2": (2, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
+                      "--moe.backend", "triton", "--parallelism.comm_counter", "true"], TRITON),
+    # EP 2 x DP 2: experts split 2 ways and FSDP-sharded over the other 2 ranks; recurrent AC on top
+    "ep2_dp2": (4, ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "2",
+                    "--activation_checkpoint.mode", "recurrent", "--parallelism.comm_counter", "true"], None),
+    "fp8": (2, ["--training.local_batch_size", "2", "--model.converters", "float8",
+                "--parallelism.comm_counter", "true"], None),
+    "fp8_all_gather": (2, ["--training.local_batch_size", "2", "--model.converters", "float8",
+                           "--float8.enable_fsdp_float8_all_gather", "true",
+                           "--parallelism.comm_counter", "true"], None),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run each named CLI run once per module, on first use; returns its dump folder."""
+    root = tmp_path_factory.mktemp("parallel_runs")
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            nprocs, extra, env = RUNS[name]
+            folder = root / name
+            check_ok(run_train(COMMON + extra + ["--job.dump_folder", str(folder)], nprocs=nprocs, env=env))
+            done[name] = folder
+        return done[name]
+
+    return get
+
+
+def steps(folder: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in read_metrics(folder) if "loss" in row}
+
+
+def assert_same_training(ref: Path, got: Path, rel: float = 1e-4) -> None:
+    a, b = steps(ref), steps(got)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    for step in a:
+        for key in ("loss", "grad_norm", "moe_aux_loss", "ponder_loss"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=rel), (step, key, a[step][key], b[step][key])
+    assert a[5]["loss"] < a[1]["loss"]  # the losses must move, or equality would prove nothing
+
+
+@pytest.mark.parametrize(
+    "name, ref",
+    [("fsdp2", "ref_dp2"), ("hsdp2x2", "ref_dp4"), ("ep2_fsdp2", "ref_dp2"), ("ep2_dp2", "ref_dp4")],
+)
+def test_parallel_run_matches_one_process(runs, name, ref):
+    assert_same_training(runs(ref), runs(name))
+    if name.startswith("ep"):
+        first = read_comm_counts(runs(name) / "comm_counts.jsonl")[0]
+        assert step_total(first, "all_to_all") > 0  # tokens really crossed ranks
+    if name == "ep2_dp2":  # experts are FSDP-sharded over the 2 ranks that hold the same experts
+        assert step_total(first, "all_gather", "core.experts") > 0
+
+
+def test_core_all_gather_bytes_do_not_grow_with_n_loops(runs):
+    """The recurrent core is one FSDP unit: one all-gather in forward and one in backward per step."""
+    two = read_comm_counts(runs("fsdp2") / "comm_counts.jsonl")
+    four = read_comm_counts(runs("fsdp2_loops4") / "comm_counts.jsonl")
+    assert len(two) == len(four) == 5
+    for a, b in zip(two, four):
+        assert a["all_gather"]["core"] == b["all_gather"]["core"] > 0
+        assert a["reduce_scatter"]["core"] == b["reduce_scatter"]["core"] > 0
+    # forward + backward gather the unit's parameters (fp32) twice; reduce-scatter moves them once
+    assert two[0]["all_gather"]["core"] == 2 * two[0]["reduce_scatter"]["core"]
+
+
+def test_fp8_all_gather_tracks_fp8_run_and_moves_fp8(runs):
+    """fp8 all-gather (fp32 parameters on CPU): same losses as the fp8 run without it; the dense
+    blocks (converted linears + tiny norms) gather 1 byte per weight instead of 4."""
+    plain, fp8 = runs("fp8"), runs("fp8_all_gather")
+    a, b = steps(plain), steps(fp8)
+    for step in a:
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-3), (step, a[step]["loss"], b[step]["loss"])
+    off = read_comm_counts(plain / "comm_counts.jsonl")[-1]["all_gather"]
+    on = read_comm_counts(fp8 / "comm_counts.jsonl")[-1]["all_gather"]
+    for unit in ("prelude.layers.0", "coda.layers.0"):
+        assert 0.25 <= on[unit] / off[unit] < 0.26, (unit, on[unit], off[unit])
+
+
+def test_fp8_all_gather_halves_bf16_bytes():
+    """Measured with bf16 parameters (the GPU setting) on converted linears alone, one FSDP unit
+    each (all-float8 units: the payload crosses gloo as uint8): half the bytes of bf16."""
+    from spider_titan.parallel.comm_bench import benchmark_comm
+
+    args = argparse.Namespace(comm_scenarios="float8_linears", comm_world_size=2, comm_steps=2)
+    result = benchmark_comm(args)["float8_linears"]
+    assert result["fp8_all_gather"] > 0 and result["ratio"] == pytest.approx(0.5, abs=1e-3), result
+
+
+# ---------------------------------------------------------------- gradients, parameter by parameter
+
+LAYOUTS = {
+    # 4 ranks: experts split 2 ways and FSDP-sharded 2 ways (their reduce-scatter divides by 4,
+    # not by its group size 2); HSDP 2 x 2 with EP 2 (dense HSDP, experts HSDP over replicas)
+    "ep2_dp_shard4": ["--parallelism.expert_parallel_degree", "2"],
+    "ep2_hsdp2x2": ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+}
+
+
+def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[str]]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from spider_titan.components.builder import build_model, materialize
+    from spider_titan.config.manager import parse_args
+    from spider_titan.models.common import lm_loss_sum
+    from spider_titan.parallel.mesh import ParallelDims
+    from spider_titan.parallel.parallelize import apply_parallelism
+    from spider_titan.parallel.utils import clip_grad_norm_
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        base = ["--model.name", "spider", "--model.flavor", "debug", "--model.max_segment_bytes", "1"]
+        batches = torch.randint(0, 256, (world_size, 1, 65), generator=torch.Generator().manual_seed(1))
+        n_global = batches[:, :, 1:].numel()
+
+        def loss_of(model, x, dp, accum):  # train.py's normalisation: ce * dp / N_global + aux / accum
+            out = model(x[:, :-1])
+            return lm_loss_sum(out.logits, x[:, 1:]) * dp / n_global + out.aux_loss / accum
+
+        cfg = parse_args(base, env={})
+        _, _, ref = build_model(cfg)
+        materialize(ref, torch.device("cpu"), 0)
+        for x in batches:  # one process, the ranks' batches as micro-batches
+            loss_of(ref, x, 1, world_size).backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
+
+        for overrides in layouts:
+            cfg = parse_args(base + overrides, env={"WORLD_SIZE": str(world_size)})
+            spec, _, model = build_model(cfg)
+            materialize(model, torch.device("cpu"), 0)
+            dims = ParallelDims.from_config(cfg.parallelism, world_size)
+            apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
+                              param_dtype=torch.float32, reduce_dtype=torch.float32)
+            loss_of(model, batches[rank], dims.dp_degree, 1).backward()
+            norm = clip_grad_norm_(list(model.parameters()), 0.0)
+            for name, p in model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                want = ref_grads[name]
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-12,
+                                           msg=lambda m, n=name, o=overrides: f"{o} {n}: {m}")
+            assert math.isclose(float(norm), float(ref_norm), rel_tol=1e-5), (overrides, float(norm), float(ref_norm))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_match_one_process():
+    """Every parameter's gradient (experts, router, all aux-loss paths) and the clipped-norm input
+    under EP x FSDP and EP x HSDP equal the one-process gradient of the same four micro-batches."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(
+            _gradient_worker, args=(4, str(Path(tmp) / "store"), list(LAYOUTS.values())), nprocs=4
+        )
+
+
+# ---------------------------------------------------------------- start-up errors
+
+
+@pytest.mark.parametrize(
+    "world_size, args, needle",
+    [
+        ("4", ["--parallelism.data_parallel_replicate_degree", "3"],
+         "WORLD_SIZE(4) = dp_replicate(3) * dp_shard(-1) has no whole-number dp_shard"),
+        ("4", ["--parallelism.expert_parallel_degree", "4", "--model.n_experts", "6"],
+         "n_experts(6) = experts_per_rank * expert_parallel_degree(4)"),
+        ("1", ["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather", "true"],
+         "float8.enable_fsdp_float8_all_gather: needs FSDP"),
+    ],
+    ids=["world-size", "experts-vs-ep", "fp8-all-gather-without-fsdp"],
+)
+def test_bad_layout_fails_at_start_with_one_line(world_size, args, needle, monkeypatch, capsys):
+    from spider_titan.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    assert main(COMMON + args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], lines
+
