@@ -91,14 +91,18 @@ class Trainer:
         dtype = self.run.autocast_dtype
         return torch.autocast(self.run.device.type, dtype=dtype) if dtype is not None else nullcontext()
 
-    def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(inputs, labels, sample_ids)`` per micro-batch; sample_ids key the model's training
+        noise by global sample index (offset by the seed), independent of the parallel layout."""
         batches = []
+        loader, device = self.run.train_loader, self.run.device
         for _ in range(self.cfg.training.gradient_accumulation_steps):
+            ids = loader.next_sample_ids() + (self.cfg.training.seed << 40)
             inputs, labels = next(self.data_iter)
-            batches.append((inputs.to(self.run.device, non_blocking=True), labels.to(self.run.device, non_blocking=True)))
+            batches.append((inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True), ids.to(device)))
         return batches
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One optimizer step over ``micro_batches``; returns detached metrics (not yet reduced).
 
         The LM loss is normalised by the number of non-ignored labels over all micro-batches and
@@ -111,14 +115,14 @@ class Trainer:
         model.train()
         dp = run.parallel_dims.dp_degree
         accum = len(micro_batches)
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in micro_batches)
         global_tokens = all_reduce_sum(local_tokens.float()).clamp(min=1.0)
 
         ce_total = torch.zeros((), device=run.device)
         aux_totals: dict[str, torch.Tensor] = {}
-        for inputs, labels in micro_batches:
+        for inputs, labels, sample_ids in micro_batches:
             with self._autocast():
-                out = model(inputs)
+                out = model(inputs, sample_ids=sample_ids)
             ce = lm_loss_sum(out.logits, labels)
             loss = ce * (dp / global_tokens)
             if out.aux_loss is not None:

@@ -308,6 +308,12 @@ class ByteDataLoader(Stateful):
         """The epoch of the next sample to be read."""
         return self.samples_consumed // self.num_windows
 
+    def next_sample_ids(self) -> torch.Tensor:
+        """(local_batch_size,) int64: the global sample indices of the rows of the next batch this
+        rank's iterator yields (call it before ``next``). Independent of world size and workers."""
+        first = self.samples_consumed + self.dp_rank * self.local_batch_size
+        return torch.arange(first, first + self.local_batch_size, dtype=torch.int64)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         first, g = self.samples_consumed, self.global_batch_size
         if self.num_workers == 0:

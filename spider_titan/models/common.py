@@ -1,6 +1,8 @@
 """Building blocks and contracts shared by every model in spider_titan.
 
-A model is a plain ``nn.Module`` with no distributed imports. It is described to the rest of
+A model is a plain ``nn.Module`` with no distributed imports; ``forward(input_ids, labels=None,
+sample_ids=None)``, where ``sample_ids`` (B,) int64 keys any training-time noise per sample
+(the trainer passes global sample indices, so noise does not depend on the parallel layout). It is described to the rest of
 the framework by a :class:`ModelSpec` (registered in ``components/registry.py``) and returns a
 :class:`ModelOutput` from ``forward``. Parallelism, float8, activation checkpointing and
 ``torch.compile`` are applied from outside, and they find the model's repeated blocks through

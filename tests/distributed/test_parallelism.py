@@ -4,9 +4,9 @@ Each parallel CLI run is compared with a 1-process run that sees the same micro-
 reference keeps the local batch and accumulates ``dp`` micro-batches, so its micro-batch r is
 rank r's batch (the loader gives rank r the r-th slice of each global batch) and the
 per-micro-batch aux losses (MoE load balance, boundary, ponder: all in the total loss) are
-averaged exactly as the ranks' are. ``max_segment_bytes = 1`` puts a boundary after every byte,
-so the boundary predictor's Gumbel noise (drawn per rank from the same seed) cannot make the
-segmentations differ; every other path of the model runs as usual.
+averaged exactly as the ranks' are. The boundary predictor's Gumbel noise is keyed by each
+sample's global index (``sample_ids``), so a sample is segmented the same way on any rank and in
+any micro-batch: the learned segmentation runs for real in every layout.
 
 AdamW hardly notices a gradient off by a constant factor, so the losses alone would not catch a
 wrong gradient scale (e.g. expert gradients divided by the efsdp size instead of the dp degree):
@@ -32,7 +32,7 @@ COMMON = [
     "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "spider", "--model.flavor", "debug",
     "--training.dataset", "mock", "--training.steps", "5", "--training.seq_len", "64",
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-    "--training.deterministic", "true", "--model.max_segment_bytes", "1",
+    "--training.deterministic", "true",
 ]
 TRITON = {"TRITON_INTERPRET": "1"}
 
@@ -159,19 +159,19 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
-        base = ["--model.name", "spider", "--model.flavor", "debug", "--model.max_segment_bytes", "1"]
+        base = ["--model.name", "spider", "--model.flavor", "debug"]
         batches = torch.randint(0, 256, (world_size, 1, 65), generator=torch.Generator().manual_seed(1))
         n_global = batches[:, :, 1:].numel()
 
-        def loss_of(model, x, dp, accum):  # train.py's normalisation: ce * dp / N_global + aux / accum
-            out = model(x[:, :-1])
+        def loss_of(model, x, dp, accum, sample_id):  # train.py's normalisation: ce * dp / N_global + aux / accum
+            out = model(x[:, :-1], sample_ids=torch.tensor([sample_id]))
             return lm_loss_sum(out.logits, x[:, 1:]) * dp / n_global + out.aux_loss / accum
 
         cfg = parse_args(base, env={})
         _, _, ref = build_model(cfg)
         materialize(ref, torch.device("cpu"), 0)
-        for x in batches:  # one process, the ranks' batches as micro-batches
-            loss_of(ref, x, 1, world_size).backward()
+        for r, x in enumerate(batches):  # one process, the ranks' batches as micro-batches
+            loss_of(ref, x, 1, world_size, r).backward()
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
 
@@ -182,7 +182,7 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
             dims = ParallelDims.from_config(cfg.parallelism, world_size)
             apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
                               param_dtype=torch.float32, reduce_dtype=torch.float32)
-            loss_of(model, batches[rank], dims.dp_degree, 1).backward()
+            loss_of(model, batches[rank], dims.dp_degree, 1, rank).backward()
             norm = clip_grad_norm_(list(model.parameters()), 0.0)
             for name, p in model.named_parameters():
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad

@@ -424,3 +424,26 @@ def test_bad_args_and_inputs_raise():
     model = build(max_seq_len=32)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_keyed_noise_depends_on_the_sample_not_its_row():
+    """With sample_ids, a row's training segmentation and logits are the same alone or in a batch."""
+    from spider_titan.models.spider.flexitokens import keyed_uniform
+
+    u = keyed_uniform(torch.tensor([3, 3, 4]), 4096)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005  # uniform moments
+
+    args = SPIDER_FLAVORS["debug"]
+    torch.manual_seed(0)
+    model = Spider(args)
+    model.init_weights()
+    model.train()
+    x = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))
+    both = model(x, sample_ids=torch.tensor([10, 11, 12]))
+    torch.manual_seed(123)  # the global RNG must not matter
+    alone = model(x[1:2], sample_ids=torch.tensor([11]))
+    torch.testing.assert_close(alone.logits[0], both.logits[1], rtol=1e-5, atol=1e-5)
+    other = model(x[1:2], sample_ids=torch.tensor([99]))
+    assert not torch.allclose(other.logits[0], both.logits[1])

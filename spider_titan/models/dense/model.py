@@ -127,7 +127,10 @@ class DenseModel(nn.Module):
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.lm_head.weight, std=self.args.dim**-0.5)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, sample_ids: torch.Tensor | None = None
+    ) -> ModelOutput:
+        """``sample_ids`` is part of the model contract (keys for training noise); this model draws none."""
         t = input_ids.shape[1]
         if t > self.args.max_seq_len:
             raise ValueError(f"sequence length {t} > max_seq_len {self.args.max_seq_len}; raise model.max_seq_len")

@@ -114,6 +114,34 @@ def _previous_boundary(boundaries: torch.Tensor) -> torch.Tensor:
     return F.pad(last[:, :-1], (1, 0), value=-1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def keyed_uniform(keys: torch.Tensor, T: int) -> torch.Tensor:
+    """(B,) int64 keys -> (B, T) fp32 uniforms in (0, 1), a pure function of (key, position).
+
+    splitmix64 of ``key * 2^20 + t`` in wrapping int64 arithmetic (the same bits on CPU and GPU),
+    keeping the top 24 bits so the float is exact. Keyed by a sample's global index, a sample
+    gets the same noise whatever rank, micro-batch or row it lands in.
+    """
+    t = torch.arange(T, device=keys.device, dtype=torch.int64)
+    z = keys.to(torch.int64).unsqueeze(1) * (1 << 20) + t + _i64(0x9E3779B97F4A7C15)  # (B, T)
+    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
 def segment_bytes(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -121,13 +149,22 @@ def segment_bytes(
     training: bool,
     temperature: float,
     max_segment_bytes: int,
+    noise_keys: torch.Tensor | None = None,
 ) -> Segmentation:
-    """Boundaries from predictor ``logits (B, T)`` and the bytes, with forced boundaries and STE."""
+    """Boundaries from predictor ``logits (B, T)`` and the bytes, with forced boundaries and STE.
+
+    Training noise comes from ``keyed_uniform(noise_keys)`` when keys are given (one per row),
+    else from torch's global RNG.
+    """
     B, T = input_ids.shape
     device = input_ids.device
     probs = torch.sigmoid(logits)
     if training:
-        u = torch.rand_like(logits).clamp_(1e-6, 1.0 - 1e-6)
+        if noise_keys is not None:
+            u = keyed_uniform(noise_keys, T).to(logits.dtype)
+        else:
+            u = torch.rand_like(logits)
+        u = u.clamp(1e-6, 1.0 - 1e-6)
         soft = torch.sigmoid((logits + torch.log(u) - torch.log1p(-u)) / temperature)
     else:
         soft = probs

@@ -146,7 +146,11 @@ class Spider(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         n_loops: int | None = None,
+        sample_ids: torch.Tensor | None = None,
     ) -> SpiderOutput:
+        """``sample_ids`` (B,) int64, optional: keys for the boundary noise in training, one per row
+        (the trainer passes each sample's global index), so that a sample is segmented the same
+        way whichever rank or micro-batch it lands in; without them the noise is torch's RNG."""
         a = self.args
         B, T = input_ids.shape
         if T > a.max_seq_len:
@@ -164,6 +168,7 @@ class Spider(nn.Module):
             training=self.training,
             temperature=a.boundary_temperature,
             max_segment_bytes=a.max_segment_bytes,
+            noise_keys=sample_ids,
         )
         S = seg.num_segments
         core = self.core(
