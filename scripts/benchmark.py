@@ -90,7 +90,10 @@ def run_training(config: str, overrides: list[str], args: argparse.Namespace) ->
             "tokens_per_step": tokens,
             "tokens_per_s": round(tokens / median, 1),
             "step_time_s": {"median": round(median, 4), "min": round(min(times), 4), "max": round(max(times), 4)},
-            "peak_memory_gib": round(memory_gib(run.device), 3),
+            # CUDA: this scenario's peak allocation. CPU: the process's peak resident set so far,
+            # which includes the scenarios that ran before this one in the same process.
+            ("peak_memory_gib" if run.device.type == "cuda" else "process_peak_rss_gib_so_far"):
+                round(memory_gib(run.device), 3),
         }
     finally:
         trainer.close()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch spider_titan training with torchrun, on one node or several (docs/multinode.md).
+# Launch spider_titan training with torchrun, on one node or several (README: "Parallelism and multi-node training").
 #
 #   scripts/run_train.sh --job.config_file train_configs/debug_model.toml [--section.key value ...]
 #
