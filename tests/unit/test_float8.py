@@ -94,3 +94,28 @@ def test_fp8_matmul_close_to_high_precision():
     y_ref, y = ref(x), fp8(x)
     rel = (y - y_ref).norm() / y_ref.norm()
     assert 0 < rel < 0.1  # fp8 is not exact, but close
+
+
+@pytest.mark.gpu
+def test_fp8_grouped_experts_close_to_bf16_on_hopper():
+    """On SM 9.0/10.0 the experts' fp8 grouped GEMM tracks the bf16 one (forward and gradients)."""
+    supported, why = float8.fp8_grouped_mm_supported()
+    if not supported:
+        pytest.skip(why)
+    from types import SimpleNamespace
+
+    from spider_titan.moe.layer import MoE
+
+    torch.manual_seed(0)
+    ref = MoE(256, 8, 2, 256).cuda().bfloat16()
+    ref.init_weights(0.02, 0.02)
+    fp8 = MoE(256, 8, 2, 256).cuda().bfloat16()
+    fp8.load_state_dict(ref.state_dict())
+    model = nn.Sequential(fp8)
+    assert float8._apply_fp8_experts(model, SimpleNamespace(moe_experts=True)) == 1
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y_ref, _ = ref(x)
+    y, _ = fp8(x)
+    assert (y.float() - y_ref.float()).norm() / y_ref.float().norm() < 0.1
+    y.float().square().mean().backward()
+    assert torch.isfinite(fp8.experts.w1.grad).all()
