@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -47,6 +49,43 @@ class TrainState:
         self.tokens_seen = int(state["tokens_seen"])
 
 
+class StopSignal:
+    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the run to stop at the next step boundary.
+
+    The handler only sets a flag; the train loop finishes its step, every rank agrees on the same
+    stop step (a max all-reduce over a CPU gloo group, so no GPU sync per step), a checkpoint is
+    written, and the process exits with 128 + the signal. A second signal interrupts at once.
+    """
+
+    def __init__(self, world_size: int):
+        self.signum: int | None = None
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # the second one: stop now
+            self.restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+        logger.warning("%s received: stopping after this step", signal.Signals(signum).name)
+
+    def requested(self) -> bool:
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64)
+        if self.group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and self.signum is None:
+            self.signum = int(flag.item())  # another rank was signalled
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -73,6 +112,7 @@ class Trainer:
         self.checkpointer = build_checkpointer(cfg.checkpoint, self.run, self.state)
         self.checkpointer.load()
         self.data_iter = iter(self.run.train_loader)
+        self.stop = StopSignal(self.world_size)
         # Validation replays the same batches every time: remember where its loader starts.
         self.val_start = self.run.val_loader.state_dict() if self.run.val_loader is not None else None
         self.throughput = Throughput(self.run.device)
@@ -208,9 +248,24 @@ class Trainer:
                 run.metric_logger.log(step, self.validate())
                 self.throughput.reset()
             self.checkpointer.maybe_save(step, last=step == run.total_steps)
+            if step < run.total_steps and self.stop.requested():
+                self._stop_early(step)
+                return
         logger.info("done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
 
+    def _stop_early(self, step: int) -> None:
+        if self.cfg.checkpoint.enable:
+            if step % self.cfg.checkpoint.interval:  # not already saved by maybe_save
+                self.checkpointer.save(step)
+            self.checkpointer.wait()
+            logger.warning("stopped at step %d with a checkpoint; run the same command to resume", step)
+        else:
+            logger.warning("stopped at step %d; nothing saved (checkpoint.enable = false)", step)
+
     def close(self) -> None:
+        stop = getattr(self, "stop", None)
+        if stop is not None:
+            stop.restore()
         checkpointer = getattr(self, "checkpointer", None)
         if checkpointer is not None:
             checkpointer.close()
@@ -242,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         trainer.train()
+        if trainer.stop.signum is not None:
+            return 128 + trainer.stop.signum
     finally:
         if trainer is not None:
             trainer.close()

@@ -54,7 +54,7 @@ def assert_maps_equal(a, b):
         assert x.dtype == y.dtype and torch.equal(x, y), field
 
 
-@pytest.mark.parametrize("topk_idx,E,align", cases())
+@pytest.mark.parametrize("topk_idx,E,align", list(cases()))
 def test_maps_equal(topk_idx, E, align):
     assert_maps_equal(TORCH.build_map(topk_idx, E, align), TRITON.build_map(topk_idx, E, align))
 
@@ -73,7 +73,7 @@ def expand_reduce(backend, x, y_exp, w, rmap, stride0: bool):
 
 
 @pytest.mark.parametrize("stride0", [False, True], ids=["dense-grad", "stride0-grad"])
-@pytest.mark.parametrize("topk_idx,E,align", cases())
+@pytest.mark.parametrize("topk_idx,E,align", list(cases()))
 def test_expand_reduce_fp32(topk_idx, E, align, stride0):
     T, k = topk_idx.shape
     rmap = TORCH.build_map(topk_idx, E, align)
