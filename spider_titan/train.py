@@ -296,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.debug("start-up failed", exc_info=True)
             print(f"error: {e}", file=sys.stderr)
             return 2
-        trainer.train()
+        try:
+            trainer.train()
+        except FloatingPointError as e:  # a diverged run: say where, without a traceback
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         if trainer.stop.signum is not None:
             return 128 + trainer.stop.signum
     finally:

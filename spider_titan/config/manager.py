@@ -336,6 +336,13 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
         )
     if par.expert_parallel_degree > 1 and par.fsdp_enabled == "never":
         problems.append("parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp_enabled = \"auto\"")
+    elif world_size > 1 and par.fsdp_enabled == "never":
+        # FSDP is what averages gradients over the data-parallel ranks here; without it every
+        # rank would silently train its own model.
+        problems.append(
+            f"parallelism.fsdp_enabled: 'never' with WORLD_SIZE={world_size} leaves the ranks' gradients "
+            "unsynchronised; set it to \"auto\" or run one process"
+        )
     fp8_all_gather = cfg.float8.enable_fsdp_float8_all_gather
     if fp8_all_gather and "float8" not in cfg.model.converters and t.precision != "fp8":
         problems.append("float8.enable_fsdp_float8_all_gather: needs the float8 converter (model.converters = [\"float8\"])")

@@ -112,3 +112,9 @@ def test_help_lists_every_key_with_its_doc():
         assert f"[{section}]" in text
     assert "--training.gradient_accumulation_steps" in text
     assert "Micro-batches per optimizer step" in text
+
+
+def test_data_parallel_without_fsdp_is_refused():
+    with pytest.raises(ConfigError, match="unsynchronised"):
+        parse_args(["--parallelism.fsdp_enabled", "never"], env={"WORLD_SIZE": "2"})
+    assert parse_args(["--parallelism.fsdp_enabled", "never"], env={"WORLD_SIZE": "1"})
