@@ -21,6 +21,7 @@ without a GPU; fp8 is only *faster* on GPUs with fp8 tensor cores (capability >=
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from types import MethodType
@@ -101,13 +102,15 @@ def apply_float8(model: nn.Module, cfg) -> Float8Report:
             "float8.filter_fqns, or set float8.fallback = \"warn\""
         )
 
-    fp8_config = Float8LinearConfig.from_recipe_name(cfg.recipe)
-    if cfg.recipe == "tensorwise":
-        fp8_config = Float8LinearConfig(
-            enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, pad_inner_dim=cfg.pad_inner_dim
-        )
-    elif cfg.enable_fsdp_float8_all_gather:
+    if cfg.enable_fsdp_float8_all_gather and cfg.recipe != "tensorwise":
         raise ValueError("float8.enable_fsdp_float8_all_gather: needs float8.recipe = \"tensorwise\"")
+    # pad_inner_dim for every recipe: the shape filter above let unaligned inner dims through on
+    # that promise (CPU kernels accept them, GPU _scaled_mm does not).
+    fp8_config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(cfg.recipe),
+        enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
+        pad_inner_dim=cfg.pad_inner_dim,
+    )
     converted = set(report.converted)
     convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda mod, fqn: fqn in converted)
 

@@ -119,3 +119,13 @@ def test_fp8_grouped_experts_close_to_bf16_on_hopper():
     assert (y.float() - y_ref.float()).norm() / y_ref.float().norm() < 0.1
     y.float().square().mean().backward()
     assert torch.isfinite(fp8.experts.w1.grad).all()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_every_recipe_gets_pad_inner_dim(recipe):
+    """The shape filter converts linears with unaligned inner dims only because they get padded."""
+    cfg = parse_args(["--model.name", "dense", "--model.dim", "120", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+                      "--model.converters", "float8", "--float8.recipe", recipe], env={})
+    _, _, model = build_model(cfg)
+    w1 = model.get_submodule("layers.0.feed_forward.w1")  # 120 -> 352: inner dim 120 needs padding
+    assert type(w1).__name__ == "Float8Linear" and w1.config.pad_inner_dim
