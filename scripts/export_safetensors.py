@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spider_titan.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint  # noqa: E402
-from spider_titan.checkpoint.manager import DTYPES  # noqa: E402
+from spider_titan.models.common import DTYPES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from spider_titan.checkpoint.manager import DTYPES  # noqa: E402
+from spider_titan.models.common import DTYPES  # noqa: E402
 from spider_titan.generation import generate, load_model  # noqa: E402
 
 

@@ -37,12 +37,7 @@ def load_model(
         model = spec.model_cls(identity.build_args())
     materialize(model, torch.device(device), seed=0)
     model.load_state_dict(load_export_tensors(Path(path)), strict=True)
-    # Parameters and real buffers only: Module.to(dtype) would drop the imaginary part of
-    # complex RoPE tables.
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
-    return model.eval(), config
+    return model.to(dtype).eval(), config
 
 
 def sample_next(

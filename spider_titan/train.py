@@ -247,20 +247,15 @@ class Trainer:
             if run.val_loader is not None and (step % cfg.validation.freq == 0 or step == run.total_steps):
                 run.metric_logger.log(step, self.validate())
                 self.throughput.reset()
-            self.checkpointer.maybe_save(step, last=step == run.total_steps)
-            if step < run.total_steps and self.stop.requested():
-                self._stop_early(step)
+            stopping = step < run.total_steps and self.stop.requested()
+            self.checkpointer.maybe_save(step, last=step == run.total_steps, stopping=stopping)
+            if stopping:
+                if cfg.checkpoint.enable:
+                    logger.warning("stopped at step %d with a checkpoint; run the same command to resume", step)
+                else:
+                    logger.warning("stopped at step %d; nothing saved (checkpoint.enable = false)", step)
                 return
         logger.info("done: %d steps, %d tokens", self.state.step, self.state.tokens_seen)
-
-    def _stop_early(self, step: int) -> None:
-        if self.cfg.checkpoint.enable:
-            if step % self.cfg.checkpoint.interval:  # not already saved by maybe_save
-                self.checkpointer.save(step)
-            self.checkpointer.wait()
-            logger.warning("stopped at step %d with a checkpoint; run the same command to resume", step)
-        else:
-            logger.warning("stopped at step %d; nothing saved (checkpoint.enable = false)", step)
 
     def close(self) -> None:
         stop = getattr(self, "stop", None)

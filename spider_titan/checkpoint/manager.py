@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from spider_titan.components import registry
+from spider_titan.models.common import DTYPES
 
 if TYPE_CHECKING:
     from spider_titan.components.builder import Run
@@ -69,7 +70,6 @@ logger = logging.getLogger("spider_titan")
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-\d+\.tmp-")
 # DCP's warning on every call made without a process group, a supported mode for one process.
@@ -396,16 +396,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------ save
 
-    def maybe_save(self, step: int, *, last: bool = False) -> None:
-        """Save when ``step`` is on the interval or the last one; on the last, export if asked."""
+    def maybe_save(self, step: int, *, last: bool = False, stopping: bool = False) -> None:
+        """Save when ``step`` is on the interval or the last one; on the last, export if asked.
+
+        ``stopping``: the run ends early after this step (a signal): save a full checkpoint now,
+        on the interval or not, and wait for it.
+        """
         self._poll()
         cfg = self.cfg
-        if cfg.enable and (last or step % cfg.interval == 0):
+        if cfg.enable and (last or stopping or step % cfg.interval == 0):
             if last and cfg.last_save_model_only:
                 self.save(step, model_only=True)
             else:
                 # the last save is synchronous: the process ends right after it
-                self.save(step, asynchronous=cfg.async_mode == "async" and not last)
+                self.save(step, asynchronous=cfg.async_mode == "async" and not (last or stopping))
         if last and cfg.export_at_end:
             self.export(self.dump_folder / "export", step=step)
 

@@ -35,12 +35,12 @@ from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
-from spider_titan.models.common import ModelSpec
+from spider_titan.models.common import DTYPES, ModelSpec
 from spider_titan.moe.load_balance import maybe_apply_aux_free_balancing
 from spider_titan.optim.lr_schedulers import build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.compile import apply_compile
-from spider_titan.parallel.mesh import ParallelDims
+from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 
 logger = logging.getLogger("spider_titan")
 
@@ -80,12 +80,11 @@ def resolve_device(choice: str) -> torch.device:
 
 def precision_dtypes(cfg: JobConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(param/compute dtype, gradient-reduce dtype) for this device; CPU runs stay fp32."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if device.type == "cpu":
         if cfg.training.mixed_precision_param != "float32":
             logger.info("CPU run: parameters and compute stay fp32 (CPU bf16 matmuls are slower than fp32)")
         return torch.float32, torch.float32
-    return dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce]
+    return DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce]
 
 
 def total_steps(cfg: JobConfig, dp_degree: int) -> int:
@@ -196,7 +195,8 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
         model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         dump_folder=dump_folder,
     )
-    fsdp_on = any(hasattr(m, "unshard") for m in model.modules())
+    # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
+    fsdp_on = world_size > 1 and use_fsdp(cfg.parallelism, dims)
     autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
 
     # 9) optimizer, 10) lr scheduler

@@ -327,7 +327,7 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     par = cfg.parallelism
     dims = ParallelDims.from_config(par, world_size, check=False)
     problems.extend(dims.problems())
-    n_experts = getattr(model_args, "n_experts", None) if model_args is not None else None
+    n_experts = getattr(model_args, "n_experts", None)
     if par.expert_parallel_degree > 1 and n_experts is not None and n_experts % par.expert_parallel_degree:
         problems.append(
             f"parallelism.expert_parallel_degree: n_experts({n_experts}) = experts_per_rank * "

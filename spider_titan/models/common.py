@@ -27,6 +27,9 @@ BOS_ID = 257
 EOS_ID = 258
 IGNORE_INDEX = -100
 
+# dtype names as configs and CLIs spell them
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 @dataclass
 class ModelOutput:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from spider_titan.moe.layer import MoE
+from spider_titan.parallel.utils import all_reduce_sum
 
 logger = logging.getLogger("spider_titan")
 
@@ -47,9 +47,7 @@ class AuxFreeBalancer:
         if not self.counts:
             return
         keys = [id(layer) for layer in self.layers if id(layer) in self.counts]
-        stacked = torch.stack([self.counts[k] for k in keys])  # (layers, E)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        stacked = all_reduce_sum(torch.stack([self.counts[k] for k in keys]))  # (layers, E), over all ranks
         by_id = {id(layer): layer for layer in self.layers}
         for key, counts in zip(keys, stacked):
             by_id[key].update_expert_bias(counts, self.rate)

@@ -23,6 +23,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -84,3 +85,24 @@ def _nest(flat: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CountingComm:
+    """What the custom FSDP2 collectives share (fsdp.py, float8_allgather.py): the buffer they
+    allocate and where their bytes are counted.
+
+    ``tags`` maps a process group to the name its bytes are counted under (``default_tag`` for
+    the others), so one FSDP unit with dense and expert parameter groups counts them apart.
+    """
+
+    def __init__(self, counter: CommCounter | None = None, default_tag: str = "", tags: dict | None = None):
+        self.counter = counter
+        self.default_tag = default_tag
+        self.tags = tags or {}
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def count(self, kind: str, group, nbytes: int) -> None:
+        if self.counter is not None:
+            self.counter.add(kind, self.tags.get(group, self.default_tag), nbytes)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # FSDP2's custom-comm interface (not re-exported)
 
-from spider_titan.parallel.comm_counter import CommCounter
+from spider_titan.parallel.comm_counter import CountingComm
 
 FLOAT8_DTYPES = frozenset(
     getattr(torch, name)
@@ -32,22 +32,9 @@ def as_bytes_if_float8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FLOAT8_DTYPES else t
 
 
-class BytesAllGather(AllGather):
-    """FSDP2 custom all-gather (``FSDPModule.set_custom_all_gather``): float8 moves as uint8.
-
-    ``tags`` maps a process group to the name its bytes are counted under (``default_tag`` for
-    the others), so one FSDP unit with dense and expert parameter groups counts them apart.
-    """
-
-    def __init__(
-        self, counter: CommCounter | None = None, default_tag: str = "", tags: dict | None = None
-    ):
-        self.counter = counter
-        self.default_tag = default_tag
-        self.tags = tags or {}
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+class BytesAllGather(CountingComm, AllGather):
+    """FSDP2 custom all-gather (``FSDPModule.set_custom_all_gather``): float8 moves as uint8;
+    bytes are counted per process group (:class:`CountingComm`)."""
 
     def __call__(
         self,
@@ -57,6 +44,5 @@ class BytesAllGather(AllGather):
         async_op: bool = False,
     ):
         out, inp = as_bytes_if_float8(output_tensor), as_bytes_if_float8(input_tensor)
-        if self.counter is not None:
-            self.counter.add("all_gather", self.tags.get(group, self.default_tag), out.numel() * out.element_size())
+        self.count("all_gather", group, out.numel() * out.element_size())
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)

@@ -36,11 +36,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import Shard
 
-from spider_titan.parallel.comm_counter import CommCounter
+from spider_titan.parallel.comm_counter import CommCounter, CountingComm
 from spider_titan.parallel.float8_allgather import BytesAllGather
 
 
-class CountingReduceScatter(ReduceScatter):
+class CountingReduceScatter(CountingComm, ReduceScatter):
     """FSDP2 custom reduce-scatter: counts bytes, and runs on gloo with a gradient divide factor.
 
     With a divide factor that is not the reduce-scatter group's size (HSDP; experts under EP),
@@ -48,18 +48,8 @@ class CountingReduceScatter(ReduceScatter):
     with Gloo"). There the input is scaled by the factor first and reduced with SUM: the same sum.
     """
 
-    def __init__(self, counter: CommCounter | None = None, default_tag: str = "", tags: dict | None = None):
-        self.counter = counter
-        self.default_tag = default_tag
-        self.tags = tags or {}
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        if self.counter is not None:
-            nbytes = input_tensor.numel() * input_tensor.element_size()
-            self.counter.add("reduce_scatter", self.tags.get(group, self.default_tag), nbytes)
+        self.count("reduce_scatter", group, input_tensor.numel() * input_tensor.element_size())
         if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM and dist.get_backend(group) == "gloo":
             input_tensor.mul_(op.factor)
             op = dist.ReduceOp.SUM

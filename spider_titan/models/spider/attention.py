@@ -28,7 +28,7 @@ Adapter = Callable[[torch.Tensor], torch.Tensor]
 
 
 class MLA(nn.Module):
-    """``forward(x (B, T, dim), freqs (T, rope/2) complex) -> (B, T, dim)``."""
+    """``forward(x (B, T, dim), freqs (T, rope/2, 2) cos/sin) -> (B, T, dim)``."""
 
     def __init__(
         self,
