@@ -124,6 +124,31 @@ class SwiGLU(nn.Module):
         nn.init.trunc_normal_(self.w2.weight, std=out_std)
 
 
+class PreNormBlock(nn.Module):
+    """Pre-RMSNorm transformer block around any attention ``attention(x, freqs)``:
+    ``x += attention(attention_norm(x), freqs); x += feed_forward(ffn_norm(x))`` (SwiGLU).
+
+    The attention module provides ``init_weights(init_std, out_std)`` like SwiGLU does.
+    """
+
+    def __init__(self, attention: nn.Module, dim: int, inter_dim: int, norm_eps: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = SwiGLU(dim, inter_dim)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+        self.ffn_norm.reset_parameters()
+        self.feed_forward.init_weights(init_std, out_std)
+
+
 def rope_frequencies(head_dim: int, max_len: int, theta: float, device=None) -> torch.Tensor:
     """RoPE rotations as ``(max_len, head_dim // 2, 2)`` fp32 [cos, sin] pairs.
 

@@ -17,7 +17,7 @@ from spider_titan.models.common import (
     VOCAB_SIZE,
     ModelOutput,
     ModelSpec,
-    SwiGLU,
+    PreNormBlock,
     apply_rope,
     depth_scaled_std,
     lm_loss_mean,
@@ -84,18 +84,12 @@ class Attention(nn.Module):
         )  # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(lin.weight, std=init_std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std)
 
-class Block(nn.Module):
-    def __init__(self, args: DenseArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = SwiGLU(args.dim, args.inter_dim)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs)
-        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class DenseModel(nn.Module):
@@ -103,7 +97,9 @@ class DenseModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(
+            PreNormBlock(Attention(args), args.dim, args.inter_dim, args.norm_eps) for _ in range(args.n_layers)
+        )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, VOCAB_SIZE, bias=False)
         self.register_buffer("freqs", self._freqs(), persistent=False)
@@ -118,12 +114,7 @@ class DenseModel(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
         out_std = depth_scaled_std(self.args.n_layers)
         for block in self.layers:
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv):
-                nn.init.trunc_normal_(lin.weight, std=0.02)
-            nn.init.trunc_normal_(block.attention.wo.weight, std=out_std)
-            block.feed_forward.init_weights(0.02, out_std)
-            block.attention_norm.reset_parameters()
-            block.ffn_norm.reset_parameters()
+            block.init_weights(0.02, out_std)
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.lm_head.weight, std=self.args.dim**-0.5)
 

@@ -43,7 +43,7 @@ from spider_titan.models.common import (
     VOCAB_SIZE,
     ModelOutput,
     ModelSpec,
-    SwiGLU,
+    PreNormBlock,
     default_init_std,
     depth_scaled_std,
     lm_loss_mean,
@@ -72,36 +72,19 @@ class SpiderOutput(ModelOutput):
     ``expert_load_max`` (fractions of routed slots over all MoE layers and loops)."""
 
 
-class DenseBlock(nn.Module):
-    """Pre-RMSNorm byte block: ``x += attention(attention_norm(x)); x += feed_forward(ffn_norm(x))``."""
-
-    def __init__(self, args: SpiderArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MLA(
-            args.dim, args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
-            args.v_head_dim, args.norm_eps,
-        )
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = SwiGLU(args.dim, args.inter_dim)
-
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-    def init_weights(self, init_std: float, out_std: float) -> None:
-        self.attention_norm.reset_parameters()
-        self.attention.init_weights(init_std, out_std)
-        self.ffn_norm.reset_parameters()
-        self.feed_forward.init_weights(init_std, out_std)
-
-
 class ByteStack(nn.Module):
-    """A stack of dense byte blocks (``prelude`` / ``coda``); blocks live in ``layers``."""
+    """A stack of dense byte blocks (``prelude`` / ``coda``): pre-norm MLA + SwiGLU blocks in ``layers``."""
 
     def __init__(self, args: SpiderArgs, n_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(DenseBlock(args) for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            PreNormBlock(
+                MLA(args.dim, args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
+                    args.v_head_dim, args.norm_eps),
+                args.dim, args.inter_dim, args.norm_eps,
+            )
+            for _ in range(n_layers)
+        )
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         for block in self.layers:
