@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -164,7 +163,3 @@ class Throughput:
             torch.cuda.synchronize(self.device)
         dt = max(time.perf_counter() - self.t0, 1e-9)
         return self.tokens / dt, dt / max(self.steps, 1)
-
-
-def rank_from_env() -> int:
-    return int(os.environ.get("RANK", "0"))
