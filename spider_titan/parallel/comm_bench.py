@@ -61,6 +61,9 @@ def _worker(rank: int, world_size: int, store: str, scenarios: list[str], steps:
         result = {name: _RUNNERS[name](world_size, steps) for name in scenarios}
         if rank == 0:
             Path(out).write_text(json.dumps(result))
+        # No rank tears its gloo group down while another still talks to it: once seen in CI as
+        # "terminate called without an active exception" (SIGABRT) on one rank at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

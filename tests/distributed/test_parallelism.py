@@ -190,6 +190,7 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
                 torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-12,
                                            msg=lambda m, n=name, o=overrides: f"{o} {n}: {m}")
             assert math.isclose(float(norm), float(ref_norm), rel_tol=1e-5), (overrides, float(norm), float(ref_norm))
+        dist.barrier()  # all ranks done talking before any tears its gloo group down
     finally:
         dist.destroy_process_group()
 
