@@ -1,11 +1,29 @@
-"""Shared fixtures: a per-session built-in corpus cache, a CUDA skip for ``gpu`` tests."""
+"""Shared fixtures: a per-session built-in corpus cache, a CUDA skip for ``gpu`` tests, a trainer
+built in-process, and SIGTERM ending the suite."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 
 import pytest
 import torch
+
+from tests.utils import REPO
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI time-out, ``timeout -s TERM``) ends the run as Ctrl-C does: the running test
+    is interrupted, fixtures are torn down (subprocesses killed), pytest prints its summary and
+    exits 2. Python's default would kill pytest without any teardown."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,3 +54,14 @@ def default_dtype_guard():
     old = torch.get_default_dtype()
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """For a trainer built in this process: the repo as cwd, and the package logger restored after
+    (its handler would otherwise keep writing to this test's captured stdout)."""
+    monkeypatch.chdir(REPO)
+    log = logging.getLogger("spider_titan")
+    monkeypatch.setattr(log, "handlers", [])
+    monkeypatch.setattr(log, "level", log.level)
+    monkeypatch.setattr(log, "propagate", log.propagate)

@@ -19,7 +19,10 @@ converters loads.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,8 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the usual 5 GB per file of hub exports
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+logger = logging.getLogger("spider_titan")
 
 
 def to_plain(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +116,14 @@ def export_config(
     }
 
 
+def _make_readable(path: Path) -> None:
+    """safetensors writes its files 0600; give them the mode of any other file we write (0644
+    under the usual umask), like config.json beside them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_export(
     tensors: dict[str, torch.Tensor],
     identity: ModelIdentity,
@@ -139,12 +152,18 @@ def write_export(
     metadata = {"format": "pt"}
     if len(shards) == 1:
         safetensors.torch.save_file(shards[0], tmp / WEIGHTS_FILE, metadata=metadata)
+        _make_readable(tmp / WEIGHTS_FILE)
     else:
         weight_map = {}
+        t0, written = time.perf_counter(), 0
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             safetensors.torch.save_file(shard, tmp / name, metadata=metadata)
+            _make_readable(tmp / name)
             weight_map.update({key: name for key in shard})
+            written += sum(t.numel() * t.element_size() for t in shard.values())
+            rate = written / max(time.perf_counter() - t0, 1e-9) / 1e6
+            logger.info("export: shard %d/%d written (%.0f MB, %.0f MB/s)", i, len(shards), written / 1e6, rate)
         total = sum(t.numel() * t.element_size() for t in cast.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))

@@ -6,7 +6,8 @@ Layout, one folder per step, each readable on its own (no run config needed):
         step-<N>/                    a complete checkpoint
             .metadata, __*_*.distcp  torch.distributed.checkpoint (DCP) files, one set per rank
             meta.json                format version, step, contents, model identity (name, flavor,
-                                     resolved args), world size and samples per step when saved
+                                     resolved args), world size and samples per step when saved,
+                                     and ``finite: true`` (every saved tensor was checked finite)
         step-<N>.tmp-<token>/        being written, or left by a crash: never loaded, removed at start
 
 What is saved is the dict of Statefuls and nothing else:
@@ -16,7 +17,13 @@ What is saved is the dict of Statefuls and nothing else:
     lr_scheduler  the LambdaLR counters
     dataloader    global samples consumed (the same for every world size, see data/loader.py)
     train_state   step and tokens seen
-    rng           torch's RNG state of every rank (the Spider model samples boundary noise)
+    rng           torch's RNG state of every rank (the Spider model samples boundary noise), as
+                  uint8 tensors, so ``dcp_to_torch_save`` output loads with ``weights_only=True``
+
+Never a non-finite state: before writing, every floating tensor of the model and optimizer state
+is checked (one pass, all ranks agree); a non-finite one stops the save with FloatingPointError.
+Auto-resume and ``load_step`` take the newest checkpoint marked finite (at or before
+``load_step``), and log each newer one they pass over and why.
 
 Crash safety: every rank writes into ``step-N.tmp-<token>``. ``dcp.save`` returns on rank 0 only
 after it has gathered every rank's write results and written ``.metadata``, so at that point the
@@ -59,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from spider_titan.components import registry
 from spider_titan.models.common import DTYPES
@@ -174,6 +182,19 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def good_checkpoint_reason(path: Path) -> str | None:
+    """None for a checkpoint that may be resumed from; else why not (for the log)."""
+    try:
+        meta = read_meta(path)
+    except ValueError as e:
+        return str(e)
+    if meta.get("model_only"):
+        return "it holds the model only (a final save)"
+    if meta.get("finite") is not True:
+        return "it is not marked finite (saved before finiteness checks existed)"
+    return None
+
+
 def resolve_checkpoint(path: Path, *, origin: str, prefer_full: bool = False) -> Path:
     """``path`` itself when it is a checkpoint, or the newest complete one inside it (the newest
     full one with ``prefer_full``, when there is one).
@@ -237,32 +258,49 @@ class OptimizerState(Stateful):
 class RNGState(Stateful):
     """torch's CPU (and CUDA) RNG state of every rank, gathered so one copy holds all of them.
 
-    Resumed on the same number of ranks, rank r gets its own state back; on another number every
-    rank takes rank 0's (all ranks seed alike and draw alike, so they agree anyway).
+    Saved as uint8 tensors of shape (ranks, state bytes), so any tool can read them (no pickled
+    bytes). Resumed on the same number of ranks, rank r gets its own state back; on another
+    number every rank takes rank 0's (all ranks seed alike and draw alike, so they agree anyway).
+    Before a load, :meth:`expect` sets the shapes found in the checkpoint (DCP loads in place).
     """
 
+    def __init__(self):
+        self.expected: dict[str, torch.Size] | None = None
+
+    @staticmethod
+    def _mine() -> dict[str, torch.Tensor]:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.zeros(0, dtype=torch.uint8)
+        return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
     def state_dict(self) -> dict[str, Any]:
-        mine = {
-            "cpu": torch.get_rng_state().numpy().tobytes(),
-            "cuda": torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else b"",
-        }
-        if dist.is_initialized():
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
-        return {"cpu": [s["cpu"] for s in everyone], "cuda": [s["cuda"] for s in everyone]}
+        if self.expected is not None:  # the template DCP loads into
+            return {k: torch.zeros(shape, dtype=torch.uint8) for k, shape in self.expected.items()}
+        mine = self._mine()
+        out = {}
+        for key, state in mine.items():
+            if dist.is_initialized():
+                everyone: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, state)
+            else:
+                everyone = [state]
+            out[key] = torch.stack(everyone)
+        return out
+
+    def expect(self, shapes: dict[str, torch.Size]) -> None:
+        self.expected = shapes
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.expected = None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        saved = len(state_dict["cpu"])
+        cpu, cuda = state_dict["cpu"], state_dict["cuda"]
+        saved = len(cpu)
         idx = rank if saved == world else 0
         if saved != world and rank == 0:
             logger.info("rng: saved by %d ranks, this run has %d: every rank continues from rank 0's state", saved, world)
-        torch.set_rng_state(torch.frombuffer(bytearray(state_dict["cpu"][idx]), dtype=torch.uint8))
-        if torch.cuda.is_available() and state_dict["cuda"][idx]:
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state_dict["cuda"][idx]), dtype=torch.uint8))
+        torch.set_rng_state(cpu[idx].clone())
+        if torch.cuda.is_available() and cuda[idx].numel():
+            torch.cuda.set_rng_state(cuda[idx].clone())
 
 
 # ---------------------------------------------------------------- checkpointer
@@ -333,24 +371,19 @@ class Checkpointer:
         """
         cfg = self.cfg
         if cfg.load_step >= 0:
-            path = self.folder / f"step-{cfg.load_step}"
-            if not is_complete(path):
-                steps = [s for s, _ in list_checkpoints(self.folder)]
-                state = "is not a complete checkpoint" if path.exists() else "does not exist"
+            good = self._newest_good(at_most=cfg.load_step)
+            if good is None:
+                steps = [s for s, p in list_checkpoints(self.folder) if good_checkpoint_reason(p) is None]
                 raise FileNotFoundError(
-                    f"checkpoint.load_step = {cfg.load_step}: {path} {state}; complete checkpoints in "
-                    f"{self.folder}: {steps or 'none'}"
+                    f"checkpoint.load_step = {cfg.load_step}: no complete, finite checkpoint at or before step "
+                    f"{cfg.load_step} in {self.folder}; resumable steps there: {steps or 'none'}"
                 )
-            return self._load(path, model_only=False, origin="checkpoint.load_step")
+            return self._load(good[1], model_only=False, origin="checkpoint.load_step")
         if cfg.enable:
             self._warn_incomplete()
-            found = [p for _, p in list_checkpoints(self.folder)]
-            full = [p for p in found if not read_meta(p).get("model_only")]
-            if full:
-                if found[-1] != full[-1] and self.rank == 0:
-                    logger.info("checkpoint: %s holds the model only (a final save); resuming from %s",
-                                found[-1].name, full[-1].name)
-                return self._load(full[-1], model_only=False, origin="resuming")
+            good = self._newest_good()
+            if good is not None:
+                return self._load(good[1], model_only=False, origin="resuming")
         if cfg.initial_load_path:
             origin = "checkpoint.initial_load_path"
             path = resolve_checkpoint(Path(cfg.initial_load_path), origin=origin,
@@ -359,6 +392,24 @@ class Checkpointer:
         if cfg.enable:
             logger.info("checkpoint: no checkpoint in %s, starting from step 0", self.folder)
         return None
+
+    def _newest_good(self, at_most: int | None = None, *, quiet: bool = False) -> tuple[int, Path] | None:
+        """(step, path) of the newest checkpoint one may resume from (at or before ``at_most``),
+        logging why each newer one was passed over."""
+        for step, path in reversed(list_checkpoints(self.folder)):
+            if at_most is not None and step > at_most:
+                continue
+            reason = good_checkpoint_reason(path)
+            if reason is None:
+                return step, path
+            if not quiet and self.rank == 0 and not read_meta(path).get("model_only"):
+                logger.warning("checkpoint: skipping %s: %s", path, reason)
+        return None
+
+    def latest_good(self) -> tuple[int, Path] | None:
+        """(step, path) of the newest checkpoint this run could resume from, or None."""
+        self.wait()
+        return self._newest_good(quiet=True)
 
     def _load(self, path: Path, *, model_only: bool, origin: str) -> int:
         meta = read_meta(path)
@@ -375,6 +426,13 @@ class Checkpointer:
         missing = [k for k in keys if k not in meta["contents"]]
         if missing:
             raise ValueError(f"{where} has no {missing} (it holds {meta['contents']})")
+        if "rng" in keys:
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            shapes = {k: saved[f"rng.{k}"].size for k in ("cpu", "cuda") if f"rng.{k}" in saved and hasattr(saved[f"rng.{k}"], "size")}
+            if len(shapes) != 2:
+                raise ValueError(f"{where}: its RNG state is in an older format; start from its weights with "
+                                 "checkpoint.initial_load_model_only = true")
+            self.states["rng"].expect(shapes)
         t0 = time.perf_counter()
         try:
             dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), **self._dcp_kwargs())
@@ -396,6 +454,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------ save
 
+    def save_due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
+        """Whether :meth:`maybe_save` with the same arguments will write anything."""
+        cfg = self.cfg
+        return (cfg.enable and (last or stopping or step % cfg.interval == 0)) or (last and cfg.export_at_end)
+
     def maybe_save(self, step: int, *, last: bool = False, stopping: bool = False) -> None:
         """Save when ``step`` is on the interval or the last one; on the last, export if asked.
 
@@ -416,6 +479,7 @@ class Checkpointer:
     def save(self, step: int, *, model_only: bool = False, asynchronous: bool = False) -> None:
         """Write ``step-<step>`` (full, or the model only in ``export_dtype``); at most one save in flight."""
         self.wait()
+        self.check_finite(f"step {step}: not saving a checkpoint")
         if model_only:
             dtype = DTYPES[self.cfg.export_dtype]
             states: dict[str, Any] = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
@@ -430,6 +494,7 @@ class Checkpointer:
             "model": self.identity.to_json(),
             "world_size": self.world_size,
             "samples_per_step": self.samples_per_step,
+            "finite": True,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         save = _Save(step, self.folder / f"step-{step}.tmp-{self.token}", self.folder / f"step-{step}", meta,
@@ -445,6 +510,27 @@ class Checkpointer:
         else:
             dcp.save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
             self._commit(save)
+
+    def check_finite(self, what: str) -> None:
+        """FloatingPointError when any floating tensor of the model or optimizer state is not
+        finite on any rank (one pass over local shards, one all-reduce)."""
+        model = self.states["model"].model
+        tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
+        optimizer = self.states.get("optimizer")
+        if optimizer is not None:
+            for opt in optimizer.optimizers:
+                tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        flags = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all().cpu()
+                 for t in tensors if t.is_floating_point() and t.numel()]
+        bad = torch.tensor([0 if all(bool(f) for f in flags) else 1], dtype=torch.int64)
+        if self.distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if bad.item():
+            good = self._newest_good(quiet=True)
+            raise FloatingPointError(
+                f"{what}: the model or optimizer state holds non-finite values; last good checkpoint: "
+                f"{good[1] if good else 'none'}"
+            )
 
     def wait(self) -> None:
         """Finish the save in flight, if any (its files written, then committed)."""
@@ -510,6 +596,7 @@ class Checkpointer:
         """Write the live model as a safetensors export (every rank takes part; rank 0 writes)."""
         from spider_titan.checkpoint.export import full_model_state_dict, write_export  # export imports this module
 
+        self.check_finite(f"step {step}: not exporting")
         t0 = time.perf_counter()
         tensors = full_model_state_dict(self.states["model"].model)
         if self.rank == 0:

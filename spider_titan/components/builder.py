@@ -1,17 +1,18 @@
 """Assemble a run from a JobConfig: every component, in one fixed order.
 
     1) parallel dims + device mesh
-    2) model on the meta device (no memory), args = flavor + [model] overrides
-    3) converters (e.g. float8) swap modules in place
-    4) MoE backend set on every MoE layer
-    5) activation checkpointing wraps blocks
-    6) torch.compile per block
-    7) materialise on the device + init_weights()
-    8) parallelize: expert parallel, then FSDP2 / HSDP
-    9) optimizer, 10) lr scheduler, 11) data loaders, 12) metric loggers
+    2) data loaders (first, so a bad path or an unusable shard stops the run before any model work)
+    3) model on the meta device (no memory), args = flavor + [model] overrides
+    4) converters (e.g. float8) swap modules in place
+    5) MoE backend set on every MoE layer
+    6) activation checkpointing wraps blocks
+    7) torch.compile per block
+    8) materialise on the device + init_weights()
+    9) parallelize: expert parallel, then FSDP2 / HSDP
+    10) optimizer, 11) lr scheduler, 12) metric loggers
     (then the Trainer adds the checkpointer, which also needs its train state, and loads)
 
-Why 7 before 8 (torchtitan materialises after sharding): a full-size init on every rank with the
+Why 8 before 9 (torchtitan materialises after sharding): a full-size init on every rank with the
 same seed makes the initial weights independent of the parallel layout, so FSDP/HSDP/EP runs can
 be compared bit for bit with a single process. DTensor's offset-based RNG gives that only on
 CUDA. The cost is one unsharded fp32 copy per rank while starting (about 4 GB for the 1B flavors).
@@ -116,23 +117,23 @@ def resolve_converters(cfg: JobConfig) -> list[str]:
 
 
 def build_model(cfg: JobConfig) -> tuple[ModelSpec, Any, nn.Module]:
-    """Steps 2-6: the model on the meta device, converted, with its MoE backend, AC and compile."""
+    """Steps 3-7: the model on the meta device, converted, with its MoE backend, AC and compile."""
     spec = registry.get("model", cfg.model.name)
     args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
-    # 2) build on meta
+    # 3) build on meta
     with torch.device("meta"):
         model = spec.model_cls(args)
-    # 3) converters
+    # 4) converters
     for name in resolve_converters(cfg):
         registry.get("converter", name)(model, getattr(cfg, name, None))
-    # 4) MoE backend
+    # 5) MoE backend
     backend_cls = registry.get("moe_backend", cfg.moe.backend)
     n_moe = apply_moe_backend(model, backend_cls())
     if n_moe:
         logger.info("MoE backend %r on %d layers", cfg.moe.backend, n_moe)
-    # 5) activation checkpointing
+    # 6) activation checkpointing
     apply_ac(model, spec, cfg.activation_checkpoint)
-    # 6) torch.compile
+    # 7) torch.compile
     if cfg.training.compile:
         apply_compile(model, spec)
     return spec, args, model
@@ -159,7 +160,7 @@ def apply_moe_backend(model: nn.Module, backend) -> int:
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Step 7: allocate on ``device`` and initialise; the same seed on every rank."""
+    """Step 8: allocate on ``device`` and initialise; the same seed on every rank."""
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -182,30 +183,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
         os.environ["TRITON_INTERPRET"] = "1"
         logger.info("MoE backend 'triton' on CPU: running its kernels in Triton's interpreter (correct, slow)")
 
-    # 2)-6) model on meta, converters, MoE backend, activation checkpointing, compile
-    spec, args, model = build_model(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("model %s/%s: %.2f M parameters", cfg.model.name, cfg.model.flavor, n_params / 1e6)
-
-    # 7) materialise + init (see the module docstring for why before parallelize)
-    materialize(model, device, cfg.training.seed)
-
-    # 8) parallelize
-    registry.get("parallelize", "fsdp")(
-        model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        dump_folder=dump_folder,
-    )
-    # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
-    fsdp_on = world_size > 1 and use_fsdp(cfg.parallelism, dims)
-    autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
-
-    # 9) optimizer, 10) lr scheduler
-    optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
-    maybe_apply_aux_free_balancing(model, optimizer, cfg.moe)
-    steps = total_steps(cfg, dims.dp_degree)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
-
-    # 11) data: every rank loads its own slice ("dp" covers all ranks)
+    # 2) data: every rank loads its own slice ("dp" covers all ranks)
     dp_rank = meshes["world"].get_local_rank() if meshes is not None else 0
     t = cfg.training
     build_dataset = registry.get("dataset", t.dataset)
@@ -222,6 +200,29 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
             seq_len=t.seq_len, local_batch_size=cfg.validation.local_batch_size or t.local_batch_size,
             dp_rank=dp_rank, dp_world_size=dims.dp_degree, seed=t.seed,
         )
+
+    # 3)-7) model on meta, converters, MoE backend, activation checkpointing, compile
+    spec, args, model = build_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model %s/%s: %.2f M parameters", cfg.model.name, cfg.model.flavor, n_params / 1e6)
+
+    # 8) materialise + init (see the module docstring for why before parallelize)
+    materialize(model, device, cfg.training.seed)
+
+    # 9) parallelize
+    registry.get("parallelize", "fsdp")(
+        model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        dump_folder=dump_folder,
+    )
+    # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
+    fsdp_on = world_size > 1 and use_fsdp(cfg.parallelism, dims)
+    autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
+
+    # 10) optimizer, 11) lr scheduler
+    optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
+    maybe_apply_aux_free_balancing(model, optimizer, cfg.moe)
+    steps = total_steps(cfg, dims.dp_degree)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
 
     # 12) metric loggers (rank 0 only unless asked otherwise)
     backends = []

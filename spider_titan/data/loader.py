@@ -58,6 +58,9 @@ class TokenDataset:
         self.arrays = [a for a in arrays if a.size]
         self.description = description
         self._starts = np.cumsum([0] + [a.size for a in self.arrays], dtype=np.int64)
+        if not any(holds_labels(a) for a in self.arrays):
+            raise ValueError(f"{description}: no tokens other than PAD ({self.num_tokens} tokens in all), "
+                             "so there is nothing to learn; check the data path and how it was prepared")
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,26 @@ class TokenDataset:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["arrays"] = [read_shard(a) if isinstance(a, Path) else a for a in state["arrays"]]
         self.__dict__.update(state)
+
+
+# all-PAD check: blocks of this many tokens, evenly spaced, are read first; only a shard with no
+# real token in any of them is read in full (so a healthy 1 GB shard costs a few reads).
+_PROBE_BLOCK, _PROBE_COUNT = 1 << 16, 16
+
+
+def holds_labels(tokens: np.ndarray) -> bool:
+    """Whether ``tokens`` holds any token other than PAD (PAD targets are ignored by the loss)."""
+    n = tokens.size
+    if n == 0:
+        return False
+    step = max(n // _PROBE_COUNT, 1)
+    for start in range(0, n, step):
+        if (tokens[start : start + _PROBE_BLOCK] != PAD_ID).any():
+            return True
+    for start in range(0, n, 1 << 24):  # every probe was PAD: read it all before saying no
+        if (tokens[start : start + (1 << 24)] != PAD_ID).any():
+            return True
+    return False
 
 
 def _check_split(split: str) -> None:
@@ -127,7 +150,16 @@ def build_bytes_dataset(path: str | None, *, split: Split, seed: int) -> TokenDa
             f"{root}/metadata.json: vocab_size {vocab} > the byte vocabulary ({VOCAB_SIZE}); these shards hold "
             "another tokenizer's ids. Re-make them from text with scripts/prepare_data.py"
         )
-    return TokenDataset([read_shard(f) for f in files], description=f"{split} shards under {root}")
+    arrays = []
+    for f in files:
+        tokens = read_shard(f)
+        if tokens.size == 0:
+            logger.warning("%s: empty shard (0 tokens), skipped", f)
+        elif not holds_labels(tokens):
+            raise ValueError(f"{f}: every token is PAD ({tokens.size} tokens), so it holds nothing to learn; "
+                             "remove the shard or re-make it with scripts/prepare_data.py")
+        arrays.append(tokens)
+    return TokenDataset(arrays, description=f"{split} shards under {root}")
 
 
 def build_text_dataset(path: str | None, *, split: Split, seed: int) -> TokenDataset:
@@ -221,7 +253,9 @@ class _Sampler:
             windows[row] = self.dataset.window(w * self.seq_len, self.seq_len + 1)
         tokens = torch.from_numpy(windows.astype(np.int64))
         input_ids = tokens[:, :-1].contiguous()  # (B, seq_len)
-        labels = tokens[:, 1:].contiguous()  # (B, seq_len)
+        # clone, not contiguous(): with B = 1 the slice already counts as contiguous, so the PAD
+        # masking below would write into the inputs through the shared storage
+        labels = tokens[:, 1:].clone()  # (B, seq_len)
         labels[labels == PAD_ID] = IGNORE_INDEX
         return input_ids, labels
 

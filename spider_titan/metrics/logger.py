@@ -23,7 +23,7 @@ logger = logging.getLogger("spider_titan")
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0}
 
 # Console names: short and fixed-order for the first fields, the rest as they come.
-_CONSOLE_ORDER = ("loss", "bpb", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_gib")
+_CONSOLE_ORDER = ("elapsed_s", "eta_s", "loss", "bpb", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_gib")
 
 
 def setup_logging(rank: int) -> None:
@@ -55,6 +55,16 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: short and fixed-width enough for progress lines."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _fmt(key: str, value: float) -> str:
     if key == "lr":
         return f"{key} {value:.2e}"
@@ -64,16 +74,26 @@ def _fmt(key: str, value: float) -> str:
         return f"mem {value:.2f}GiB"
     if key == "mfu":
         return f"mfu {100 * value:.1f}%"
+    if key == "elapsed_s":
+        return f"elapsed {format_duration(value)}"
+    if key == "eta_s":
+        return f"eta {format_duration(value)}"
     if isinstance(value, float) and (abs(value) >= 1e4 or (value != 0 and abs(value) < 1e-3)):
         return f"{key} {value:.3e}"
     return f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}"
 
 
 class ConsoleLogger:
+    """``step N/total | elapsed | eta | loss ... | the rest``; counters meant for files are left out."""
+
+    hidden = ("total_steps", "tokens_seen")
+
     def log(self, step: int, scalars: dict[str, float]) -> None:
         first = [k for k in _CONSOLE_ORDER if k in scalars]
-        rest = sorted(k for k in scalars if k not in _CONSOLE_ORDER)
-        parts = [f"step {step:>6}"] + [_fmt(k, scalars[k]) for k in first + rest]
+        rest = sorted(k for k in scalars if k not in _CONSOLE_ORDER and k not in self.hidden)
+        total = scalars.get("total_steps")
+        head = f"step {step:>6}/{int(total)}" if total else f"step {step:>6}"
+        parts = [head] + [_fmt(k, scalars[k]) for k in first + rest]
         logger.info(" | ".join(parts))
 
     def close(self) -> None:

@@ -75,6 +75,9 @@ def test_export_loads_with_safetensors_alone(trained):
     assert config["model"]["name"] == "dense" and config["model"]["flavor"] == "debug"
     assert config["model"]["args"]["dim"] == 128 and config["vocab"]["size"] == VOCAB_SIZE
     assert config["step"] == 3 and config["dtype"] == "float32"
+    # readable by others like config.json beside it (safetensors itself writes 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (dump / "export").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] and modes["model.safetensors"] & 0o044, modes
 
 
 def test_model_from_export_gives_the_same_logits(trained):
@@ -97,6 +100,7 @@ def test_script_exports_bf16_shards(trained, tmp_path):
     index = json.loads((out / INDEX_FILE).read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((out / f).is_file() for f in files)
+    assert all((out / f).stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777 for f in files)
     assert not (out / "model.safetensors").exists()
     tensors = load_export_tensors(out)
     expected = model.state_dict()

@@ -72,11 +72,13 @@ def test_batches_follow_the_reference_across_epochs():
         np.testing.assert_array_equal(y.numpy(), np.where(ref[:, 1:] == PAD_ID, IGNORE_INDEX, ref[:, 1:]))
 
 
-def test_labels_are_shifted_inputs_and_pad_is_ignored():
+@pytest.mark.parametrize("batch", [1, 3])  # batch 1: labels once shared the inputs' storage
+def test_labels_are_shifted_inputs_and_pad_is_ignored(batch):
     flat = np.tile(np.array([1, 2, PAD_ID, 3], dtype=np.uint16), 40)
     ds = TokenDataset([flat], description="pads")
-    x, y = next(iter(_loader(ds, batch=3)))
+    x, y = next(iter(_loader(ds, batch=batch)))
     assert (y == IGNORE_INDEX).any() and not (y == PAD_ID).any()
+    assert (x >= 0).all() and (x == PAD_ID).any()  # the inputs keep their PAD tokens
     kept = y != IGNORE_INDEX
     torch.testing.assert_close(y[:, :-1][kept[:, :-1]], x[:, 1:][kept[:, :-1]])
     torch.testing.assert_close(kept[:, :-1], x[:, 1:] != PAD_ID)
@@ -255,3 +257,27 @@ def test_builtin_corpus_builds_once_into_the_cache(tmp_path, monkeypatch, caplog
     assert (folder / "metadata.json").stat().st_mtime_ns == stamp
     assert val.num_tokens == meta["splits"]["val"]["tokens"]
     assert "import" in decode(train.window(0, min(train.num_tokens, 200_000)))
+
+
+def test_a_dataset_of_only_pad_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="only pad: no tokens other than PAD"):
+        TokenDataset([np.full(100, PAD_ID, dtype=np.uint16)], description="only pad")
+
+
+def test_an_all_pad_shard_among_good_ones_is_named(tmp_path):
+    write_shard(tmp_path / "train" / "a.bin", np.array(encode("hello world " * 20), dtype=np.uint16))
+    write_shard(tmp_path / "train" / "b.bin", np.full(3 << 16, PAD_ID, dtype=np.uint16))  # past the probes
+    write_shard(tmp_path / "val" / "c.bin", np.array(encode("hello"), dtype=np.uint16))
+    with pytest.raises(ValueError, match=r"b\.bin: every token is PAD"):
+        build_bytes_dataset(str(tmp_path), split="train", seed=0)
+
+
+def test_pad_probe_finds_one_real_token_anywhere():
+    from spider_titan.data.loader import holds_labels
+
+    tokens = np.full(5 << 20, PAD_ID, dtype=np.uint16)
+    assert not holds_labels(tokens)
+    for where in (0, 12345, (5 << 20) - 1):
+        tokens[where] = 7
+        assert holds_labels(tokens)
+        tokens[where] = PAD_ID

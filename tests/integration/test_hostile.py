@@ -1,0 +1,319 @@
+"""Hostile inputs, as a table: what a user gets wrong or what goes wrong under them.
+
+Each row is one command line (with the data or checkpoints it needs made on the fly), the exit
+code it must end with, the one line the user sees on stderr, and a check that nothing on disk was
+lost. Rows that only need the config or the data run ``main(argv)`` in this process (fast);
+signals, divergence and crashes run the real CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from spider_titan.checkpoint.export import read_checkpoint_tensors
+from spider_titan.config.manager import sections
+from spider_titan.data.shards import write_shard
+from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID
+from spider_titan.train import main
+from tests.utils import REPO, check_ok, read_metrics, run_train
+
+SPIDER = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
+          "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
+          "--validation.enable", "false", "--checkpoint.export_at_end", "false", "--metrics.log_freq", "1"]
+MOCK = ["--training.dataset", "mock"]
+
+
+def text_tokens(n_docs: int = 40) -> np.ndarray:
+    doc = [BOS_ID, *b"def f(x):\n    return x + 1\n", EOS_ID]
+    return np.array(doc * n_docs, dtype=np.uint16)
+
+
+def bytes_data(root: Path, train: np.ndarray, val: np.ndarray | None = None) -> Path:
+    write_shard(root / "train" / "data_000000.bin", train)
+    write_shard(root / "val" / "data_val_000000.bin", text_tokens() if val is None else val)
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes: 'nothing lost' is 'the same snapshot after'."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def finite_checkpoint(path: Path) -> bool:
+    tensors, _ = read_checkpoint_tensors(path, "")
+    return all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass
+class Row:
+    id: str
+    args: list[str]
+    code: int
+    needles: list[str]  # all in the one stderr line ({data} and {dump} filled in)
+    make: Callable[[Path], None] | None = None  # writes the row's data under {data}
+    kept: Callable[[Path], bool] | None = None  # extra "nothing lost" check on tmp_path
+    extra_lines: int = 0  # stderr lines allowed beside the error line (config errors: one per problem)
+
+
+def _truncated(data: Path) -> None:
+    bytes_data(data, text_tokens())
+    with open(data / "train" / "data_000000.bin", "ab") as f:
+        f.write(b"\x01")  # an odd byte: a shard cut mid-token
+
+
+def _all_pad(data: Path) -> None:
+    bytes_data(data, np.full(4096, PAD_ID, dtype=np.uint16), np.full(4096, PAD_ID, dtype=np.uint16))
+
+
+def _pad_val(data: Path) -> None:
+    bytes_data(data, text_tokens(), np.full(4096, PAD_ID, dtype=np.uint16))
+
+
+def _pad_windows(data: Path) -> None:
+    # a few real bytes, then a long PAD run: most 64-byte windows hold nothing to predict
+    bytes_data(data, np.concatenate([text_tokens(1), np.full(64 * 400, PAD_ID, dtype=np.uint16)]))
+
+
+def _empty(data: Path) -> None:
+    data.mkdir(parents=True)
+
+
+def _wrong_types() -> tuple[list[str], list[str]]:
+    """One wrongly typed value for every section that has a number or bool field."""
+    args, keys = [], []
+    for name, cls in sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in (int, float, bool):
+                args += [f"--{name}.{f.name}", "not-a-number"]
+                keys.append(f"{name}.{f.name}")
+                break
+    return args, keys
+
+
+WRONG_ARGS, WRONG_KEYS = _wrong_types()
+BYTES = ["--training.dataset", "bytes", "--training.dataset_path", "{data}"]
+
+ROWS = [
+    Row("truncated-shard", SPIDER + BYTES, 2, ["{data}/train/data_000000.bin", "odd size"], _truncated),
+    Row("all-pad-shards", SPIDER + BYTES, 2, ["{data}/train/data_000000.bin", "every token is PAD"], _all_pad),
+    Row("all-pad-val", SPIDER + BYTES + ["--validation.enable", "true"], 2,
+        ["{data}/val/data_val_000000.bin", "every token is PAD"], _pad_val),
+    Row("pad-only-batch", SPIDER + BYTES + ["--training.local_batch_size", "1", "--training.steps", "50"], 1,
+        ["no label tokens", "train shards under {data}"], _pad_windows),
+    Row("empty-folder", SPIDER + BYTES, 2, ["no *.bin token shards under {data}"], _empty),
+    Row("missing-folder", SPIDER + BYTES, 2, ["{data}", "does not exist"]),
+    Row("wrong-types", SPIDER + WRONG_ARGS, 2, [WRONG_KEYS[0]], extra_lines=len(WRONG_KEYS) - 1),
+    Row("unknown-key", SPIDER + ["--training.stepz", "3"], 2, ["training.stepz"]),
+    Row("unknown-section", SPIDER + ["--trianing.steps", "3"], 2, ["trianing"]),
+    Row("misspelt-backend", SPIDER + ["--moe.backend", "tritn"], 2, ["moe.backend", "tritn", "triton"]),
+    Row("misspelt-ac-mode", SPIDER + ["--activation_checkpoint.mode", "ful"], 2,
+        ["activation_checkpoint.mode", "ful", "full"]),
+    Row("impossible-degrees", SPIDER + ["--parallelism.data_parallel_shard_degree", "3"], 2,
+        ["data_parallel_shard_degree", "WORLD_SIZE"]),
+    Row("missing-config", ["--job.config_file", "train_configs/no_such_job.toml"], 2, ["no_such_job.toml"]),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_hostile_input(row, tmp_path, in_process, capsys):
+    data, dump = tmp_path / "data", tmp_path / "run"
+    if row.make is not None:
+        row.make(data)
+    before = snapshot(data) if data.exists() else {}
+
+    def fill(text: str) -> str:
+        return text.replace("{data}", str(data)).replace("{dump}", str(dump))
+
+    with torch.random.fork_rng():
+        code = main([fill(a) for a in row.args] + ["--job.dump_folder", str(dump)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == row.code, err
+    assert len(lines) == 1 + row.extra_lines and "Traceback" not in err, err
+    for needle in map(fill, row.needles):
+        assert needle in err, (needle, err)
+    if row.id == "wrong-types":  # every section's problem is reported at once
+        assert all(any(key in line for line in lines) for key in WRONG_KEYS), (WRONG_KEYS, lines)
+    assert (snapshot(data) if data.exists() else {}) == before  # the data is untouched
+
+
+# ---------------------------------------------------------------- rows that need a real process
+
+
+def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_path):
+    """lr 1e6: the run stops with exit 1 and one line naming the step and the last good checkpoint;
+    no checkpoint on disk holds a non-finite tensor; the same command resumes from that one."""
+    dump = tmp_path / "run"
+    cmd = SPIDER + MOCK + ["--optimizer.lr", "1e6", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+                           "--training.steps", "12", "--job.dump_folder", str(dump)]
+    proc = run_train(cmd, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "non-finite" in lines[0], proc.stderr
+    saved = sorted((dump / "checkpoint").glob("step-*"))
+    assert saved, "the steps before the divergence were saved"
+    last = saved[-1]
+    assert f"last good checkpoint {last}" in lines[0] and f"--checkpoint.load_step {last.name[5:]}" in lines[0]
+    bad_step = int(lines[0].split()[2].rstrip(":"))  # "error: step N: non-finite ..."
+    assert bad_step == int(last.name[5:]) + 1  # every finite step before it was saved (interval 1)
+    assert all(finite_checkpoint(p) for p in saved)
+
+    again = run_train(cmd, timeout=300)
+    assert again.returncode == 1
+    assert f"loaded model+optimizer+lr_scheduler+dataloader+train_state+rng from {last}" in again.stdout, again.stdout
+    assert sorted((dump / "checkpoint").glob("step-*")) == saved
+
+
+def test_skip_nonfinite_steps_skips_then_stops(tmp_path, in_process, capsys, monkeypatch):
+    """skip_nonfinite_steps = 2: two NaN steps in a row are skipped (weights untouched), the third stops."""
+    from spider_titan import train as train_module
+
+    real_clip = train_module.clip_grad_norm_
+    calls = []
+
+    def poisoned(params, max_norm):  # steps 3, 4, 5 report a NaN gradient norm
+        calls.append(1)
+        norm = real_clip(params, max_norm)
+        return norm * float("nan") if len(calls) >= 3 else norm
+
+    monkeypatch.setattr(train_module, "clip_grad_norm_", poisoned)
+    with torch.random.fork_rng():
+        code = main(SPIDER + MOCK + ["--training.steps", "8", "--training.skip_nonfinite_steps", "2",
+                                     "--job.dump_folder", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "step 3: non-finite loss or gradient norm; update skipped (1 of at most 2 in a row)" in captured.out
+    assert "step 4: non-finite loss or gradient norm; update skipped (2 of at most 2 in a row)" in captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: step 5: non-finite gradient norm"), captured.err
+    assert "3 non-finite steps in a row, training.skip_nonfinite_steps = 2" in lines[0]
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, in_process, capsys):
+    dense = tmp_path / "dense"
+    check_ok(run_train(["--job.config_file", "train_configs/debug_dense.toml", *MOCK, "--training.seq_len", "64",
+                        "--training.steps", "1", "--validation.enable", "false", "--checkpoint.enable", "true",
+                        "--checkpoint.last_save_model_only", "false", "--checkpoint.export_at_end", "false",
+                        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dense)]))
+    before = snapshot(dense)
+    with torch.random.fork_rng():
+        code = main(SPIDER + MOCK + ["--checkpoint.initial_load_path", str(dense / "checkpoint"),
+                                     "--job.dump_folder", str(tmp_path / "spider")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "holds a 'dense' model" in lines[0] and str(dense / "checkpoint") in lines[0], err
+    assert snapshot(dense) == before
+
+
+# A save that stops half-way and waits there, so the test can kill -9 it mid-write.
+SLOW_SAVE_TRAINER = """
+import os, sys, time
+import torch.distributed.checkpoint as dcp
+from spider_titan import train
+
+real_save, calls = dcp.save, []
+
+def save(state_dict, *, checkpoint_id, **kwargs):
+    calls.append(checkpoint_id)
+    if len(calls) == 2:
+        os.makedirs(checkpoint_id, exist_ok=True)
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as f:
+            f.write(b"half a shard")
+        print("SAVING", flush=True)
+        time.sleep(600)
+    return real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+dcp.save = save
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+
+
+def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
+    dump = tmp_path / "run"
+    cmd = SPIDER + MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "6",
+                           "--job.dump_folder", str(dump)]
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE_TRAINER, *cmd], cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            _wait_for(proc, lambda: "SAVING" in out.read_text(), "second save")
+            kept = snapshot(dump / "checkpoint" / "step-2")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    resumed = run_train(cmd, timeout=300)
+    check_ok(resumed)
+    assert "left by an interrupted save" in resumed.stdout
+    assert f"from {dump / 'checkpoint' / 'step-2'} (step 2)" in resumed.stdout
+    assert [row["step"] for row in read_metrics(dump) if "loss" in row][-4:] == [3, 4, 5, 6]
+    assert kept  # the checkpoint resumed from was complete when the crash came
+
+
+def test_sigterm_mid_run_saves_and_resumes(tmp_path):
+    """Preemption: the step finishes, a checkpoint is written, exit 143; the same command resumes."""
+    dump = tmp_path / "run"
+    cmd = SPIDER + MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--job.dump_folder", str(dump)]
+    proc = subprocess.Popen([sys.executable, "-m", "spider_titan.train", *cmd, "--training.steps", "100000"],
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(proc, lambda: (dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 3, "three steps")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    stopped = max(row["step"] for row in read_metrics(dump))
+    assert (dump / "checkpoint" / f"step-{stopped}").is_dir(), out[-3000:]
+    assert f"stopped at step {stopped} with a checkpoint" in out
+
+    resumed = run_train(cmd + ["--training.steps", str(stopped + 2)])
+    check_ok(resumed)
+    assert [row["step"] for row in read_metrics(dump)][-2:] == [stopped + 1, stopped + 2]
+
+
+# ---------------------------------------------------------------- checkpoints any tool can read
+
+
+def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dump = tmp_path / "run"
+    check_ok(run_train(SPIDER + MOCK + ["--training.steps", "2", "--checkpoint.enable", "true",
+                                        "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false",
+                                        "--job.dump_folder", str(dump)]))
+    out = tmp_path / "ckpt.pt"
+    dcp_to_torch_save(str(dump / "checkpoint" / "step-2"), str(out))
+    state = torch.load(out, weights_only=True)
+    assert set(state) >= {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
+    assert state["rng"]["cpu"].dtype == torch.uint8 and state["rng"]["cpu"].shape[0] == 1
+    assert state["train_state"]["step"] == 2

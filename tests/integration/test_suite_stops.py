@@ -1,0 +1,56 @@
+"""SIGTERM ends a pytest run within seconds, even while a trainer runs inside the pytest process.
+
+A trainer built in-process installs no signal handler (only the command line does), and
+tests/conftest.py turns SIGTERM into the KeyboardInterrupt pytest already handles. Before this, a
+time-out's SIGTERM was taken by the trainer's stop handler and the suite ran on to the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from spider_titan.train import main
+from tests.utils import REPO, read_metrics
+
+VICTIM_ENV = "SPIDER_TITAN_SIGTERM_VICTIM"
+
+
+@pytest.mark.skipif(VICTIM_ENV not in os.environ, reason="only run by test_sigterm_stops_the_suite")
+def test_victim_trains_for_a_long_time(in_process):
+    with torch.random.fork_rng():
+        main(["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
+              "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "100000",
+              "--metrics.log_freq", "1", "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+              "--checkpoint.export_at_end", "false", "--job.dump_folder", os.environ[VICTIM_ENV]])
+
+
+def test_sigterm_stops_the_suite(tmp_path):
+    dump = tmp_path / "victim"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{__file__}::test_victim_trains_for_a_long_time"],
+        cwd=REPO, env={**os.environ, VICTIM_ENV: str(dump), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not ((dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 2):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.time() < deadline, "the victim never trained"
+            time.sleep(0.2)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.time() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, out[-3000:]
+    assert took < 15, f"pytest took {took:.1f} s to stop after SIGTERM"
+    assert "SIGTERM received" in out and "stopping after this step" not in out, out[-3000:]
