@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spider_titan.checkpoint.export import load_export_tensors, read_export_config
-from spider_titan.checkpoint.manager import ModelIdentity
+from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.models.common import BOS_ID, EOS_ID, VOCAB_SIZE

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from spider_titan.checkpoint.manager import SINGLE_PROCESS_NOTICE, ModelIdentity, read_meta, resolve_checkpoint
+from spider_titan.checkpoint.layout import SINGLE_PROCESS_NOTICE, ModelIdentity, read_meta, resolve_checkpoint
 from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1

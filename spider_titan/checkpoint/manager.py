@@ -42,10 +42,8 @@ ValueError with one line that names the path and the mismatch; ``train.main`` pr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import re
 import shutil
 import time
 import uuid
@@ -68,157 +66,27 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from spider_titan.components import registry
+from spider_titan.checkpoint.export import full_model_state_dict, write_export
+from spider_titan.checkpoint.layout import (
+    FORMAT_VERSION,
+    META_FILE,
+    SINGLE_PROCESS_NOTICE,
+    STEP_RE,
+    TMP_RE,
+    ModelIdentity,
+    compare_identity,
+    good_checkpoint_reason,
+    is_complete,
+    list_checkpoints,
+    read_meta,
+    resolve_checkpoint,
+)
 from spider_titan.models.common import DTYPES
 
 if TYPE_CHECKING:
     from spider_titan.components.builder import Run
 
 logger = logging.getLogger("spider_titan")
-
-FORMAT_VERSION = 1
-META_FILE = "meta.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_RE = re.compile(r"^step-\d+\.tmp-")
-# DCP's warning on every call made without a process group, a supported mode for one process.
-SINGLE_PROCESS_NOTICE = r".*assuming the intent is to (save|load) in a single process"
-
-
-# ---------------------------------------------------------------- model identity
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What a checkpoint's weights belong to: registry name, flavor label and resolved args."""
-
-    name: str
-    flavor: str
-    args: dict[str, Any]
-    converters: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, name: str, flavor: str, args: Any, converters=()) -> "ModelIdentity":
-        """From a model args dataclass; args are normalised through JSON so saved and live compare equal."""
-        return cls(name, flavor, json.loads(json.dumps(dataclasses.asdict(args))), tuple(converters))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "flavor": self.flavor, "args": self.args, "converters": list(self.converters)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelIdentity":
-        return cls(data["name"], data["flavor"], dict(data["args"]), tuple(data.get("converters", ())))
-
-    def build_args(self) -> Any:
-        """The model's args dataclass; ValueError when the saved args hold fields this code lacks."""
-        spec = registry.get("model", self.name)
-        known = {f.name for f in dataclasses.fields(spec.args_cls)}
-        unknown = sorted(set(self.args) - known)
-        if unknown:
-            raise ValueError(f"model args {unknown} are not fields of {spec.args_cls.__name__}")
-        return spec.args_cls(**self.args)
-
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """FQN -> shape of every saved tensor, from a model built on the meta device (no memory)."""
-        spec = registry.get("model", self.name)
-        with torch.device("meta"):
-            model = spec.model_cls(self.build_args())
-        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def compare_identity(saved: ModelIdentity, current: ModelIdentity, where: str) -> list[str]:
-    """The args that differ (``field saved -> this run``); ValueError when the weights cannot fit.
-
-    Args that leave every tensor shape unchanged (``n_loops``, loss weights) may differ: the
-    caller logs them and loads. A different model, or shapes that differ, stop the run.
-    """
-    if saved.name != current.name:
-        raise ValueError(
-            f"{where}: holds a {saved.name!r} model (flavor {saved.flavor!r}) but this run builds "
-            f"{current.name!r}; set model.name = {saved.name!r} or load another checkpoint"
-        )
-    diffs = [
-        f"{k} {saved.args.get(k)!r} -> {current.args.get(k)!r}"
-        for k in sorted(set(saved.args) | set(current.args))
-        if saved.args.get(k) != current.args.get(k)
-    ]
-    if diffs and saved.parameter_shapes() != current.parameter_shapes():
-        raise ValueError(
-            f"{where}: model mismatch (saved -> this run): {', '.join(diffs)}; saved with flavor "
-            f"{saved.flavor!r}, this run has {current.flavor!r}: use the saved model settings or another checkpoint"
-        )
-    return diffs
-
-
-# ---------------------------------------------------------------- folders
-
-
-def is_complete(path: Path) -> bool:
-    """A committed checkpoint: final name, DCP metadata and meta.json present."""
-    return _STEP_RE.match(path.name) is not None and (path / ".metadata").is_file() and (path / META_FILE).is_file()
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """``meta.json`` of a checkpoint folder; ValueError when it is unreadable or of another format."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable {META_FILE} ({e}); the checkpoint is damaged") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: checkpoint format {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
-        )
-    return meta
-
-
-def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under ``folder``, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for path in folder.iterdir():
-        m = _STEP_RE.match(path.name)
-        if m and is_complete(path):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-def good_checkpoint_reason(path: Path) -> str | None:
-    """None for a checkpoint that may be resumed from; else why not (for the log)."""
-    try:
-        meta = read_meta(path)
-    except ValueError as e:
-        return str(e)
-    if meta.get("model_only"):
-        return "it holds the model only (a final save)"
-    if meta.get("finite") is not True:
-        return "it is not marked finite (saved before finiteness checks existed)"
-    return None
-
-
-def resolve_checkpoint(path: Path, *, origin: str, prefer_full: bool = False) -> Path:
-    """``path`` itself when it is a checkpoint, or the newest complete one inside it (the newest
-    full one with ``prefer_full``, when there is one).
-
-    FileNotFoundError when nothing is there, ValueError for a partial checkpoint (``origin`` is
-    the config key or flag that named the path, quoted in the message).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{origin}: {path} does not exist")
-    if (path / META_FILE).is_file() or (path / ".metadata").is_file() or _TMP_RE.match(path.name):
-        if not is_complete(path):
-            raise ValueError(
-                f"{origin}: {path} is not a complete checkpoint (an interrupted save: "
-                f"{'no .metadata' if not (path / '.metadata').is_file() else 'no ' + META_FILE}"
-                f"{', temporary name' if _STEP_RE.match(path.name) is None else ''}); use another step"
-            )
-        return path
-    found = [p for _, p in list_checkpoints(path)]
-    if not found:
-        raise FileNotFoundError(f"{origin}: no complete checkpoint (step-<N>/ with {META_FILE}) in {path}")
-    full = [p for p in found if not read_meta(p).get("model_only")]
-    return full[-1] if prefer_full and full else found[-1]
-
 
 # ---------------------------------------------------------------- Statefuls
 
@@ -556,10 +424,11 @@ class Checkpointer:
         else:
             save.tmp.rename(save.final)
         size = sum(f.stat().st_size for f in save.final.iterdir() if f.is_file())
+        took = time.perf_counter() - save.started
         logger.info(
-            "checkpoint: saved %s (%s, %.1f MB) in %.2f s",
+            "checkpoint: saved %s (%s, %.1f MB) in %.2f s, %.0f MB/s",
             save.final, "model only, " + save.meta["dtype"] if save.meta["model_only"] else "full",
-            size / 1e6, time.perf_counter() - save.started,
+            size / 1e6, took, size / 1e6 / max(took, 1e-9),
         )
         self._prune()
 
@@ -576,14 +445,14 @@ class Checkpointer:
         if self.rank != 0 or not self.folder.is_dir():
             return
         for path in sorted(self.folder.iterdir()):
-            if _STEP_RE.match(path.name) and not is_complete(path):
+            if STEP_RE.match(path.name) and not is_complete(path):
                 logger.warning("checkpoint: skipping %s: no .metadata or %s, not a complete checkpoint", path, META_FILE)
 
     def _remove_partial(self) -> None:
         if not self.folder.is_dir():
             return
         for path in sorted(self.folder.iterdir()):
-            if _TMP_RE.match(path.name) and path.is_dir():
+            if TMP_RE.match(path.name) and path.is_dir():
                 shutil.rmtree(path)
                 logger.info("checkpoint: removed %s, left by an interrupted save", path)
 
@@ -594,8 +463,6 @@ class Checkpointer:
 
     def export(self, out: Path, *, step: int | None = None) -> None:
         """Write the live model as a safetensors export (every rank takes part; rank 0 writes)."""
-        from spider_titan.checkpoint.export import full_model_state_dict, write_export  # export imports this module
-
         self.check_finite(f"step {step}: not exporting")
         t0 = time.perf_counter()
         tensors = full_model_state_dict(self.states["model"].model)

@@ -19,7 +19,7 @@ from spider_titan.checkpoint.export import (
     read_export_config,
     write_export,
 )
-from spider_titan.checkpoint.manager import ModelIdentity, compare_identity
+from spider_titan.checkpoint.layout import ModelIdentity, compare_identity
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.config.manager import parse_args

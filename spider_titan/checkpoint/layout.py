@@ -1,0 +1,166 @@
+"""What a checkpoint folder holds and how to find one: the on-disk layout, shared by the
+checkpointer (manager.py) and the safetensors export (export.py), which both import it.
+
+    <dump_folder>/<checkpoint.folder>/
+        step-<N>/                    a complete checkpoint (DCP files + meta.json)
+        step-<N>.tmp-<token>/        being written, or left by a crash: never loaded
+
+``meta.json`` names the model a checkpoint belongs to (:class:`ModelIdentity`), so it can be
+checked against a run, or rebuilt (export, generation) without the run's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spider_titan.components import registry
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+STEP_RE = re.compile(r"^step-(\d+)$")
+TMP_RE = re.compile(r"^step-\d+\.tmp-")
+# DCP's warning on every call made without a process group, a supported mode for one process.
+SINGLE_PROCESS_NOTICE = r".*assuming the intent is to (save|load) in a single process"
+
+
+# ---------------------------------------------------------------- model identity
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a checkpoint's weights belong to: registry name, flavor label and resolved args."""
+
+    name: str
+    flavor: str
+    args: dict[str, Any]
+    converters: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, flavor: str, args: Any, converters=()) -> "ModelIdentity":
+        """From a model args dataclass; args are normalised through JSON so saved and live compare equal."""
+        return cls(name, flavor, json.loads(json.dumps(dataclasses.asdict(args))), tuple(converters))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "flavor": self.flavor, "args": self.args, "converters": list(self.converters)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelIdentity":
+        return cls(data["name"], data["flavor"], dict(data["args"]), tuple(data.get("converters", ())))
+
+    def build_args(self) -> Any:
+        """The model's args dataclass; ValueError when the saved args hold fields this code lacks."""
+        spec = registry.get("model", self.name)
+        known = {f.name for f in dataclasses.fields(spec.args_cls)}
+        unknown = sorted(set(self.args) - known)
+        if unknown:
+            raise ValueError(f"model args {unknown} are not fields of {spec.args_cls.__name__}")
+        return spec.args_cls(**self.args)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """FQN -> shape of every saved tensor, from a model built on the meta device (no memory)."""
+        spec = registry.get("model", self.name)
+        with torch.device("meta"):
+            model = spec.model_cls(self.build_args())
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def compare_identity(saved: ModelIdentity, current: ModelIdentity, where: str) -> list[str]:
+    """The args that differ (``field saved -> this run``); ValueError when the weights cannot fit.
+
+    Args that leave every tensor shape unchanged (``n_loops``, loss weights) may differ: the
+    caller logs them and loads. A different model, or shapes that differ, stop the run.
+    """
+    if saved.name != current.name:
+        raise ValueError(
+            f"{where}: holds a {saved.name!r} model (flavor {saved.flavor!r}) but this run builds "
+            f"{current.name!r}; set model.name = {saved.name!r} or load another checkpoint"
+        )
+    diffs = [
+        f"{k} {saved.args.get(k)!r} -> {current.args.get(k)!r}"
+        for k in sorted(set(saved.args) | set(current.args))
+        if saved.args.get(k) != current.args.get(k)
+    ]
+    if diffs and saved.parameter_shapes() != current.parameter_shapes():
+        raise ValueError(
+            f"{where}: model mismatch (saved -> this run): {', '.join(diffs)}; saved with flavor "
+            f"{saved.flavor!r}, this run has {current.flavor!r}: use the saved model settings or another checkpoint"
+        )
+    return diffs
+
+
+# ---------------------------------------------------------------- folders
+
+
+def is_complete(path: Path) -> bool:
+    """A committed checkpoint: final name, DCP metadata and meta.json present."""
+    return STEP_RE.match(path.name) is not None and (path / ".metadata").is_file() and (path / META_FILE).is_file()
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint folder; ValueError when it is unreadable or of another format."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable {META_FILE} ({e}); the checkpoint is damaged") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        m = STEP_RE.match(path.name)
+        if m and is_complete(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def good_checkpoint_reason(path: Path) -> str | None:
+    """None for a checkpoint that may be resumed from; else why not (for the log)."""
+    try:
+        meta = read_meta(path)
+    except ValueError as e:
+        return str(e)
+    if meta.get("model_only"):
+        return "it holds the model only (a final save)"
+    if meta.get("finite") is not True:
+        return "it is not marked finite (saved before finiteness checks existed)"
+    return None
+
+
+def resolve_checkpoint(path: Path, *, origin: str, prefer_full: bool = False) -> Path:
+    """``path`` itself when it is a checkpoint, or the newest complete one inside it (the newest
+    full one with ``prefer_full``, when there is one).
+
+    FileNotFoundError when nothing is there, ValueError for a partial checkpoint (``origin`` is
+    the config key or flag that named the path, quoted in the message).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{origin}: {path} does not exist")
+    if (path / META_FILE).is_file() or (path / ".metadata").is_file() or TMP_RE.match(path.name):
+        if not is_complete(path):
+            raise ValueError(
+                f"{origin}: {path} is not a complete checkpoint (an interrupted save: "
+                f"{'no .metadata' if not (path / '.metadata').is_file() else 'no ' + META_FILE}"
+                f"{', temporary name' if STEP_RE.match(path.name) is None else ''}); use another step"
+            )
+        return path
+    found = [p for _, p in list_checkpoints(path)]
+    if not found:
+        raise FileNotFoundError(f"{origin}: no complete checkpoint (step-<N>/ with {META_FILE}) in {path}")
+    full = [p for p in found if not read_meta(p).get("model_only")]
+    return full[-1] if prefer_full and full else found[-1]
