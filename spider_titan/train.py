@@ -67,38 +67,45 @@ class NoLabelsError(ValueError):
 
 
 class StepHealth:
-    """Device-side record of bad steps, read on the host only when asked (:meth:`check`).
+    """Device-side record of bad steps, read on the host only when asked (:meth:`read`).
 
-    first_bad:   first step whose loss or gradient norm was non-finite (-1: none yet)
-    bad_loss, bad_norm: that step's loss (per label token) and gradient norm
-    first_empty: first step whose global batch held no label token (-1: none yet)
+    first_bad:   first step whose loss or gradient norm was non-finite (NONE: none yet)
+    bad_loss, bad_norm: that step's loss (per label token, this rank's) and gradient norm
+    first_empty: first step whose global batch held no label token (NONE: none yet)
     """
 
+    NONE = 2**62
+
     def __init__(self, device: torch.device):
-        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
-        self.first_empty = torch.full((), -1, dtype=torch.int64, device=device)
+        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        self.first_empty = torch.full((), self.NONE, dtype=torch.int64, device=device)
         self.bad_loss = torch.zeros((), device=device)
         self.bad_norm = torch.zeros((), device=device)
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, label_tokens: torch.Tensor) -> torch.Tensor:
-        """Fold step ``step`` in; returns its device-side "non-finite" flag."""
+        """Fold step ``step`` in. Returns "the gradient norm is non-finite": the same on every rank
+        (the norm is all-reduced), so every rank takes the same skip decision on it."""
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        first = bad & (self.first_bad < 0)
+        first = bad & (self.first_bad == self.NONE)
         self.first_bad = torch.where(first, step, self.first_bad)
         self.bad_loss = torch.where(first, loss.float(), self.bad_loss)
         self.bad_norm = torch.where(first, grad_norm.float(), self.bad_norm)
-        self.first_empty = torch.where((label_tokens == 0) & (self.first_empty < 0), step, self.first_empty)
-        return bad
+        self.first_empty = torch.where((label_tokens == 0) & (self.first_empty == self.NONE), step, self.first_empty)
+        return ~torch.isfinite(grad_norm)
 
     def clear_nonfinite(self) -> None:
         """Forget a skipped non-finite step (``training.skip_nonfinite_steps``)."""
-        self.first_bad.fill_(-1)
+        self.first_bad.fill_(self.NONE)
 
     def read(self) -> tuple[int, int, float, float]:
-        """(first_bad, first_empty, bad_loss, bad_norm) on the host: one sync."""
-        values = torch.stack([self.first_bad.double(), self.first_empty.double(), self.bad_loss.double(),
-                              self.bad_norm.double()]).tolist()
-        return int(values[0]), int(values[1]), values[2], values[3]
+        """(first_bad, first_empty, bad_loss, bad_norm), -1 for none: one sync, and one min
+        all-reduce so every rank sees the earliest bad step of any rank."""
+        steps = torch.stack([self.first_bad, self.first_empty])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+        first_bad, first_empty = (-1 if v == self.NONE else int(v) for v in steps.tolist())
+        loss, norm = torch.stack([self.bad_loss, self.bad_norm]).tolist()
+        return first_bad, first_empty, loss, norm
 
 
 class StopSignal:
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             trainer.train()
         except (FloatingPointError, NoLabelsError) as e:  # a diverged run or empty data: say where
-            print(f"error: {e}", file=sys.stderr)
+            if trainer.rank == 0:  # every rank stops at the same step with the same message
+                print(f"error: {e}", file=sys.stderr)
             return 1
         if trainer.stop.signum is not None:
             return 128 + trainer.stop.signum

@@ -150,6 +150,8 @@ def write_export(
         shards[-1][key] = t
         size += nbytes
     metadata = {"format": "pt"}
+    logger.info("export: writing %.0f MB in %d file(s) to %s ...",
+                sum(t.numel() * t.element_size() for t in cast.values()) / 1e6, len(shards), out)
     if len(shards) == 1:
         safetensors.torch.save_file(shards[0], tmp / WEIGHTS_FILE, metadata=metadata)
         _make_readable(tmp / WEIGHTS_FILE)

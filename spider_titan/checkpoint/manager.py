@@ -376,6 +376,8 @@ class Checkpointer:
                 logger.info("checkpoint: step %d staged in %.2f s, writing in the background",
                             step, time.perf_counter() - save.started)
         else:
+            if self.rank == 0:  # a 1B checkpoint takes tens of seconds: say so before, not only after
+                logger.info("checkpoint: writing step %d to %s ...", step, save.final)
             dcp.save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
             self._commit(save)
 

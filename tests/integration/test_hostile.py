@@ -181,6 +181,16 @@ def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_p
     assert sorted((dump / "checkpoint").glob("step-*")) == saved
 
 
+def test_two_ranks_stop_together_at_a_diverged_step(tmp_path):
+    """FSDP over 2 ranks: both ranks see the same bad step and stop there; one line, exit 1."""
+    dump = tmp_path / "run"
+    proc = run_train(SPIDER + MOCK + ["--optimizer.lr", "1e6", "--training.steps", "12", "--job.dump_folder", str(dump)],
+                     nprocs=2, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite" in errors[0] and "checkpoint.enable is false" in errors[0], proc.stderr
+
+
 def test_skip_nonfinite_steps_skips_then_stops(tmp_path, in_process, capsys, monkeypatch):
     """skip_nonfinite_steps = 2: two NaN steps in a row are skipped (weights untouched), the third stops."""
     from spider_titan import train as train_module
