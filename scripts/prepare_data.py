@@ -1,11 +1,17 @@
-"""Turn text into token shards: ``out/train/*.bin``, ``out/val/*.bin`` and ``out/metadata.json``.
+"""Turn any corpus into token shards: ``out/train/*.bin``, ``out/val/*.bin`` and ``out/metadata.json``.
 
-    python scripts/prepare_data.py --input corpus.jsonl notes/ --out data/my_corpus
+    python scripts/prepare_data.py --input corpus.jsonl.zst notes/ fineweb/*.parquet --out data/my_corpus
+    python scripts/prepare_data.py --input perl-src/ --glob '*.pm' '*.pod' --out data/perl --workers 2
+    zcat dump.jsonl.gz | python scripts/prepare_data.py --input - --stdin_jsonl --out data/dump
 
-Inputs are text files, ``.jsonl`` files (one document per line, in its ``"text"`` field) and
-folders searched recursively for .txt/.md/.rst/.py/.jsonl. Each file or jsonl line becomes one
-document ``[BOS] + UTF-8 bytes + [EOS]``. The work is done by
-:func:`spider_titan.data.shards.prepare_shards`; train on the result with
+Inputs are files, folders (searched recursively for the ``--glob`` patterns) and ``-`` (standard
+input). A plain file is one document; ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` hold one document
+per line (the ``--text_key`` field); ``.parquet`` one per row (the ``--text_key`` column); other
+``.gz`` / ``.zst`` files are one document, decompressed. Each document becomes ``[BOS] + UTF-8
+bytes + [EOS]``. The input is streamed (memory does not grow with the corpus), jsonl and Parquet are
+parsed by ``--workers`` processes, and the shards do not depend on the number of workers. Parquet and ``.zst`` need the
+``data`` extra: ``pip install -e '.[data]'``. The work is done by
+:func:`spider_titan.data.ingest.prepare_shards`; train on the result with
 ``training.dataset = "bytes"`` and ``training.dataset_path = <out>``.
 """
 
@@ -19,22 +25,37 @@ from pathlib import Path
 # Run from a checkout without `pip install -e .`: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spider_titan.data.shards import prepare_shards  # noqa: E402
+from spider_titan.data.ingest import DEFAULT_GLOBS, default_workers, prepare_shards  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="text files, .jsonl files (a 'text' field per line) or folders of them")
+                   help="files, folders and - (standard input), read in the order given")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (train/, val/, metadata.json)")
+    p.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), metavar="PATTERN",
+                   help="file-name patterns picked up inside folders, case-insensitive; a pattern with a / "
+                        f"matches the path relative to the folder (default: {' '.join(DEFAULT_GLOBS)})")
+    p.add_argument("--text_key", default="text",
+                   help="the jsonl field / Parquet column holding the text (default text)")
+    p.add_argument("--stdin_jsonl", action="store_true",
+                   help="read standard input as jsonl, one document per line; without it all of stdin "
+                        "is one document")
     p.add_argument("--val_fraction", type=float, default=0.01,
-                   help="fraction of documents kept for val, in [0, 1) (default 0.01)")
+                   help="fraction of documents kept for val, in [0, 1); with >= 2 documents val gets at "
+                        "least one (default 0.01)")
     p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     p.add_argument("--format", choices=("header", "raw"), default="header",
-                   help="header: 256-word llm.c header + uint16 tokens; raw: uint16 tokens only (default header)")
+                   help="header: 256-word llm.c header + uint16 tokens; raw: the seed's headerless uint16 "
+                        "tokens (default header)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split (default 0)")
-    p.add_argument("--progress_mb", type=int, default=100, help="log progress every this many MB read (default 100)")
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help="processes that parse jsonl blocks and Parquet row groups (plain files are framed by the "
+                        "main process); the shards do not depend on it (default min(4, CPUs) = "
+                        f"{default_workers()})")
+    p.add_argument("--progress_s", type=float, default=10.0,
+                   help="log a progress line (docs, MB, MB/s, ETA) at most every this many seconds (default 10)")
     return p.parse_args(argv)
 
 
@@ -45,9 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         prepare_shards(
             args.input, args.out, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-            fmt=args.format, seed=args.seed, progress_mb=args.progress_mb,
+            fmt=args.format, seed=args.seed, globs=args.glob, text_key=args.text_key,
+            stdin_jsonl=args.stdin_jsonl, workers=args.workers, progress_s=args.progress_s,
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
         sys.exit(f"prepare_data: error: {e}")
 
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from spider_titan.data.loader import build_bytes_dataset
-from spider_titan.data.shards import HEADER_BYTES, find_shards, prepare_shards, read_metadata, read_shard
+from spider_titan.data import ingest
+from spider_titan.data.ingest import prepare_shards
+from spider_titan.data.shards import HEADER_BYTES, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import decode
-from spider_titan.models.common import BOS_ID, VOCAB_SIZE
+from spider_titan.models.common import BOS_ID, EOS_ID, VOCAB_SIZE
+from tests.utils import check_ok, run_train
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
 
@@ -98,12 +103,14 @@ def test_inputs_without_documents_are_an_error(tmp_path):
         prepare_shards([tmp_path / "empty.jsonl"], tmp_path / "out")
 
 
-def test_progress_is_logged(tmp_path, caplog):
+def test_progress_is_logged(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(ingest, "_BATCH_BYTES", 2**20)
     line = json.dumps({"text": "x" * 10240}) + "\n"
-    (tmp_path / "big.jsonl").write_text(line * 320)  # 3.1 MB of text
+    (tmp_path / "big.jsonl").write_text(line * 320)  # 3.1 MB of text: 4 tasks of <= 1 MB
     with caplog.at_level("INFO", logger="spider_titan"):
-        prepare_shards([tmp_path / "big.jsonl"], tmp_path / "out", progress_mb=1)
-    assert sum("MB read" in r.getMessage() for r in caplog.records) == 3
+        prepare_shards([tmp_path / "big.jsonl"], tmp_path / "out", progress_s=0)
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert len(lines) == 4 and "320 docs" in lines[-1] and "(100%)" in lines[-1] and "MB/s" in lines[-1]
 
 
 def _script():
@@ -131,3 +138,175 @@ def test_script_without_inputs_exits_with_one_line(tmp_path, capsys, make_folder
     message = str(info.value.code)
     assert info.value.code != 0 and "\n" not in message and str(empty) in message
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Every input format through the CLI (spider_titan.data.ingest).
+
+PERL_FILES = {  # relative path -> text; only *.pm and *.pod are picked up with --glob '*.pm' '*.pod'
+    "lib/Foo/Bar.pm": "package Foo::Bar;\nsub baz { return 'ünïcode ✓' }\n1;\n",
+    "lib/Foo.pm": "package Foo;\n# " + "comment " * 40 + "\n1;\n",
+    "lib/Foo.pod": "=head1 NAME\n\nFoo - a module\n\n=cut\n",
+    "README.txt": "not a perl file",
+    "lib/Makefile": "all:\n",
+}
+
+
+def _corpus(tmp_path: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
+    """Inputs in every format (built here) and the documents each holds, in order."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    zstandard = pytest.importorskip("zstandard")
+    import gzip
+
+    perl = tmp_path / "perl"
+    for rel, text in PERL_FILES.items():
+        (perl / rel).parent.mkdir(parents=True, exist_ok=True)
+        (perl / rel).write_text(text)
+    pm_docs = [PERL_FILES[r] for r in sorted(PERL_FILES, key=lambda r: Path(r).parts) if r.endswith((".pm", ".pod"))]
+
+    gz_docs = [f"gzip doc {i}: ✓ \"q\"\n" + "abc " * (30 * i) for i in range(9)] + [""]
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(gz_docs))
+
+    zst_docs = [f"zstd doc {i} 🕷" * (i + 1) for i in range(6)]
+    lines = "".join(json.dumps({"text": d}) + "\n\n" for d in zst_docs)  # blank lines are skipped
+    (tmp_path / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+
+    pq_docs = [f"parquet row {i}: " + "lorem ipsum dolor sit amet " * (i % 5 + 3) for i in range(20)]
+    table = pa.table({"id": list(range(len(pq_docs))), "text": pq_docs})
+    pq.write_table(table, tmp_path / "data.parquet", row_group_size=6)  # 4 row groups
+
+    big = "a big plain file, read in ranges ✓\n" * 120  # > the test's 1000-byte chunk
+    (tmp_path / "big.txt").write_text(big)
+
+    note = "a gzipped note\n" * 10
+    (tmp_path / "note.txt.gz").write_bytes(gzip.compress(note.encode()))
+
+    names = ("docs.jsonl.gz", "docs.jsonl.zst", "data.parquet", "big.txt", "note.txt.gz")
+    paths = {name: tmp_path / name for name in names}
+    docs = {"docs.jsonl.gz": gz_docs, "docs.jsonl.zst": zst_docs, "data.parquet": pq_docs, "big.txt": [big],
+            "note.txt.gz": [note]}
+    return {"perl": perl, **paths}, {"perl": pm_docs, **docs}
+
+
+@pytest.fixture
+def small_tasks(monkeypatch):
+    """Tiny task sizes, so a few KB of fixtures make many tasks (ranges, batches) for the workers."""
+    monkeypatch.setattr(ingest, "_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(ingest, "_BATCH_BYTES", 700)
+    monkeypatch.setattr(ingest, "_BATCH_FILES", 2)
+
+
+def _expected_split(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """The documented split rule, written out independently of ingest._write_split."""
+    draws = np.random.default_rng(seed).random(len(docs))
+    is_val = [val_fraction > 0 and (i == 1 or (i > 1 and draws[i] < val_fraction)) for i in range(len(docs))]
+    return [d for d, v in zip(docs, is_val) if not v], [d for d, v in zip(docs, is_val) if v]
+
+
+def _check_framing(folder: Path, docs: list[str]) -> None:
+    ids = np.concatenate([read_shard(p) for p in find_shards(folder)])
+    assert ids.size == sum(len(d.encode()) + 2 for d in docs)
+    starts = np.flatnonzero(ids == BOS_ID)
+    assert starts.size == len(docs) and starts[0] == 0
+    assert (ids[np.append(starts[1:], ids.size) - 1] == EOS_ID).all()  # every document ends with EOS
+
+
+@pytest.mark.parametrize("fmt", ["raw", "header"])
+def test_every_format_round_trips_and_workers_do_not_change_the_bytes(tmp_path, small_tasks, fmt):
+    paths, docs = _corpus(tmp_path)
+    order = ["perl", "docs.jsonl.gz", "docs.jsonl.zst", "data.parquet", "big.txt", "note.txt.gz"]
+    all_docs = [d for name in order for d in docs[name]]
+    args = ["--input", *(str(paths[n]) for n in order), "--glob", "*.pm", "*.pod", "--format", fmt,
+            "--val_fraction", "0.2", "--seed", "3", "--shard_tokens", "1500", "--progress_s", "0"]
+    for workers in (1, 2):
+        _script().main([*args, "--out", str(tmp_path / f"w{workers}"), "--workers", str(workers)])
+
+    train, val = _expected_split(all_docs, 0.2, 3)
+    out = tmp_path / "w1"
+    assert _decoded_documents(out / "train") == train and _decoded_documents(out / "val") == val
+    _check_framing(out / "train", train)
+    _check_framing(out / "val", val)
+    meta = read_metadata(out)
+    assert meta["format"] == fmt and meta["documents"] == len(all_docs) and meta["files"] == 3 + len(order) - 1
+    assert meta["splits"]["val"]["documents"] == len(val) >= 1
+
+    shards = sorted(p.relative_to(out) for p in out.rglob("*.bin"))
+    assert len(shards) > 2
+    assert shards == sorted(p.relative_to(tmp_path / "w2") for p in (tmp_path / "w2").rglob("*.bin"))
+    for rel in shards:
+        assert (out / rel).read_bytes() == (tmp_path / "w2" / rel).read_bytes(), rel
+    assert read_metadata(tmp_path / "w2") == meta
+
+
+def test_val_gets_a_document_even_with_a_tiny_fraction(tmp_path):
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second")
+    meta = prepare_shards([tmp_path], tmp_path / "out", val_fraction=1e-9)
+    assert meta["splits"]["val"]["documents"] == 1
+    assert _decoded_documents(tmp_path / "out" / "val") == ["second"]
+
+
+@pytest.mark.parametrize("stdin_jsonl", [False, True])
+def test_stdin_is_one_document_or_jsonl(tmp_path, monkeypatch, stdin_jsonl):
+    docs = ["stdin line one ✓", "", "line three"]
+    data = "".join(json.dumps({"body": d}) + "\n" for d in docs) if stdin_jsonl else "\n".join(docs)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data.encode())))
+    args = ["--input", "-", "--out", str(tmp_path / "out"), "--val_fraction", "0.5", "--workers", "2"]
+    _script().main(args + (["--stdin_jsonl", "--text_key", "body"] if stdin_jsonl else []))
+    if stdin_jsonl:
+        train, val = _expected_split(docs, 0.5, 0)
+        assert _decoded_documents(tmp_path / "out" / "val") == val and len(val) >= 1
+    else:
+        train = [data]
+    assert _decoded_documents(tmp_path / "out" / "train") == train
+
+
+def _error_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """Case name -> (CLI inputs, a fragment the one-line error must hold)."""
+    (tmp_path / "only_txt").mkdir()
+    (tmp_path / "only_txt" / "a.txt").write_text("x")
+    (tmp_path / "nokey.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    return {
+        "no-match": (["--input", str(tmp_path / "only_txt"), "--glob", "*.pm"], "no input matched"),
+        "missing-path": (["--input", str(tmp_path / "nope.txt")], f"{tmp_path / 'nope.txt'} does not exist"),
+        "jsonl-without-key": (["--input", str(tmp_path / "nokey.jsonl")], "nokey.jsonl:2: no string 'text' field"),
+        "parquet-without-column": (["--input", str(tmp_path / "t.parquet"), "--text_key", "content"],
+                                   "no column 'content'"),
+        "missing-pyarrow": (["--input", str(tmp_path / "t.parquet")], "pyarrow: pip install -e '.[data]'"),
+        "missing-zstandard": (["--input", str(tmp_path / "d.jsonl.zst")], "zstandard: pip install -e '.[data]'"),
+    }
+
+
+@pytest.mark.parametrize("case", ["no-match", "missing-path", "jsonl-without-key", "parquet-without-column",
+                                  "missing-pyarrow", "missing-zstandard"])
+def test_user_errors_are_one_line(tmp_path, monkeypatch, case):
+    if case.startswith("parquet") or case == "missing-pyarrow":
+        pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "t.parquet")
+    (tmp_path / "d.jsonl.zst").write_bytes(b"")
+    args, fragment = _error_cases(tmp_path)[case]
+    if case.startswith("missing-") and case != "missing-path":
+        monkeypatch.setitem(sys.modules, case.removeprefix("missing-"), None)  # import now fails
+    with pytest.raises(SystemExit) as info:
+        _script().main([*args, "--out", str(tmp_path / "out"), "--workers", "2"])
+    message = str(info.value.code)
+    assert message.startswith("prepare_data: error: ") and "\n" not in message
+    assert fragment in message, message
+    assert not list((tmp_path).rglob("out/**/*.bin"))
+
+
+@pytest.mark.slow
+def test_training_runs_on_prepared_shards(tmp_path):
+    paths, _ = _corpus(tmp_path)
+    out = tmp_path / "data"
+    _script().main(["--input", str(paths["perl"]), str(paths["docs.jsonl.gz"]), str(paths["data.parquet"]),
+                    "--glob", "*.pm", "*.pod", "--out", str(out), "--val_fraction", "0.1", "--workers", "2"])
+    proc = run_train([
+        "--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "bytes",
+        "--training.dataset_path", str(out), "--training.steps", "2", "--validation.enable", "false",
+        "--checkpoint.export_at_end", "false", "--metrics.enable_tensorboard", "false",
+        "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "run"),
+    ], timeout=300)
+    check_ok(proc)
