@@ -320,7 +320,7 @@ class Trainer:
         ws = self.world_size
         lm_loss = total[0] / float(metrics["label_tokens"])
         out = {"loss": lm_loss, "bpb": lm_loss / LN2, "grad_norm": float(metrics["grad_norm"])}
-        out.update({k[4:]: total[i + 1] / ws for i, k in enumerate(keys) if k != "aux.lm_loss"})
+        out.update({k[4:]: total[i + 1] / ws for i, k in enumerate(keys)})
         return out
 
     @torch.no_grad()
@@ -363,8 +363,7 @@ class Trainer:
             results[f"val_loss{suffix}"] = loss
             results[f"val_bpb{suffix}"] = loss / LN2
             for j, key in enumerate(keys):
-                if key != "lm_loss":
-                    results[f"val_{key}"] = total[j + 2] / (batches * self.world_size)
+                results[f"val_{key}"] = total[j + 2] / (batches * self.world_size)
         run.model.train()
         return results
 

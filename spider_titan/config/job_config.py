@@ -55,6 +55,12 @@ class Training:
     """When > 0, run until this many tokens (bytes) have been trained on; overrides ``steps``."""
     max_norm: float = 1.0
     """Gradient-norm clipping threshold (total norm over all parameters; <= 0 disables clipping)."""
+    skip_nonfinite_steps: int = 0
+    """Non-finite loss or gradient norm: 0 = stop at the first such step (exit 1, naming it and the
+    last good checkpoint); N > 0 = skip the update of up to N such steps in a row and stop at the
+    next one. Detection costs no host sync per step (a device-side flag read at log steps, before
+    each checkpoint and at the end); skipping (N > 0) reads the flag every step, one sync per step.
+    A checkpoint is never written from a non-finite state."""
     seed: int = 0
     """Seed for model init, data order and sampling noise."""
     deterministic: bool = False
@@ -119,6 +125,14 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """``default`` reshards every block but the root after forward; ``never`` keeps parameters
     gathered between forward and backward (more memory, fewer all-gathers)."""
+    fsdp_reshard_after_forward_units: list[str] = field(default_factory=list)
+    """Per-unit overrides of ``fsdp_reshard_after_forward``, entries ``FQN=true|false`` (``true`` =
+    reshard after forward), e.g. ``core=true`` or ``coda.layers.0=false``."""
+    fsdp_keep_core_gathered_fraction: float = 0.1
+    """With ``fsdp_reshard_after_forward = "default"``, the recurrent core (one FSDP unit) stays
+    gathered from its forward to its backward, saving one all-gather per micro-batch, when its
+    unsharded parameters take at most this fraction of the device's memory (GPU, or host RAM on
+    CPU); 0 = reshard it after forward like the other units."""
     fsdp_enabled: Literal["auto", "always", "never"] = "auto"
     """``auto`` = wrap with FSDP2 when the data-parallel world is > 1."""
     comm_counter: bool = False

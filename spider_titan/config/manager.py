@@ -26,6 +26,24 @@ from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig
 
 
+# Config keys whose value names registered components (a list names several), with their
+# registry kind: validate() checks them and --help lists the names they accept.
+REGISTRY_KEYS: dict[str, str] = {
+    "model.name": "model",
+    "optimizer.name": "optimizer",
+    "lr_scheduler.decay_type": "lr_scheduler",
+    "training.dataset": "dataset",
+    "moe.backend": "moe_backend",
+    "model.converters": "converter",
+}
+
+# Registry kinds no key names: the builder picks them, for the reason given here (shown by --help).
+BUILDER_CHOSEN: dict[str, str] = {
+    "metric_logger": "console always; jsonl and tensorboard by metrics.enable_jsonl / metrics.enable_tensorboard",
+    "parallelize": "always applied; what it does follows [parallelism] and the world size",
+}
+
+
 class ConfigError(ValueError):
     """One or more configuration problems; ``problems`` holds one line each."""
 
@@ -265,18 +283,14 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     """Cross-field and component-name checks; returns every problem found."""
     problems = []
 
-    def check_name(key: str, kind: str, value: str) -> None:
-        if value not in registry.names(kind):
-            problems.append(f"{key}: {value!r} is not a registered {kind}; choose one of {registry.names(kind)}")
+    for dotted, kind in REGISTRY_KEYS.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        for name in value if isinstance(value, list) else [value]:
+            if name not in registry.names(kind):
+                problems.append(f"{dotted}: {name!r} is not a registered {kind}; choose one of {registry.names(kind)}")
 
     model_args = None
-    check_name("model.name", "model", cfg.model.name)
-    check_name("optimizer.name", "optimizer", cfg.optimizer.name)
-    check_name("lr_scheduler.decay_type", "lr_scheduler", cfg.lr_scheduler.decay_type)
-    check_name("training.dataset", "dataset", cfg.training.dataset)
-    check_name("moe.backend", "moe_backend", cfg.moe.backend)
-    for conv in cfg.model.converters:
-        check_name("model.converters", "converter", conv)
 
     if cfg.model.name in registry.names("model"):
         spec = registry.get("model", cfg.model.name)
@@ -303,6 +317,8 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
             problems.append(f"{key}: {value} must be >= {low}")
     if t.steps < 1 and t.target_tokens <= 0:
         problems.append(f"training.steps: {t.steps} must be >= 1 (or set training.target_tokens > 0)")
+    if t.skip_nonfinite_steps < 0:
+        problems.append(f"training.skip_nonfinite_steps: {t.skip_nonfinite_steps} must be >= 0 (0 stops at the first)")
     if t.target_tokens < 0:
         problems.append(f"training.target_tokens: {t.target_tokens} must be >= 0")
     if t.dataset in ("bytes", "text") and not t.dataset_path:
@@ -391,33 +407,112 @@ def to_toml(cfg: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def help_text() -> str:
-    """Every section and key with its type, default and doc (what ``--help`` prints)."""
+INFO_FLAGS = ("--help", "-h", "--print_config")
+"""Flags ``train.main`` handles before training: they ask for text, never start a run."""
+
+
+def _show(value: Any) -> str:
+    """A value as TOML writes it (``none`` for an unset optional)."""
+    return "none" if value is None else _toml_value(value)
+
+
+def _key_label(section: str, key: str, tp: Any) -> str:
+    """What a key accepts: the registered names for registry keys, else its type."""
+    kind = REGISTRY_KEYS.get(f"{section}.{key}")
+    if kind is not None:
+        names = "|".join(registry.names(kind))
+        return f"list of {kind}: {names}" if get_origin(tp) in (list, tuple) else f"{kind}: {names}"
+    if (section, key) == ("model", "flavor"):
+        return "flavor of model.name: " + "; ".join(
+            f"{m}: {'|'.join(registry.get('model', m).flavors)}" for m in registry.names("model")
+        )
+    return _type_name(tp)
+
+
+def _resolve_for_help(argv: list[str]) -> tuple[JobConfig | None, list[str]]:
+    """The config that ``argv`` (less the info flags) resolves to, or None and the problems."""
+    rest = [a for a in argv if a not in INFO_FLAGS]
+    if not rest:
+        return None, []
+    try:
+        return parse_args(rest), []
+    except ConfigError as e:
+        return None, e.problems
+
+
+def _model_table(spec: Any, resolved: Any | None) -> list[str]:
+    """Every arg of one registered model with its value in each flavor (and in this config)."""
+    hints = typing.get_type_hints(spec.args_cls)
+    docs = field_docs(spec.args_cls)
+    header = ["key", "type", *spec.flavors] + (["this config"] if resolved is not None else [])
+    rows = []
+    for key in hints:
+        row = [f"--model.{key}", _type_name(hints[key])]
+        row += [_show(getattr(args, key)) for args in spec.flavors.values()]
+        if resolved is not None:
+            row.append(_show(getattr(resolved, key)))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: list[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    lines = [fmt(header)]
+    for key, row in zip(hints, rows):
+        lines.append(fmt(row))
+        if docs.get(key):
+            lines.append(f"      {docs[key]}")
+    return lines
+
+
+def help_text(argv: list[str] | None = None) -> str:
+    """Every section and key with what it accepts, its default and its doc (what ``--help`` prints).
+
+    Registry keys list their registered names; each model's args are a table of their value in
+    every flavor. ``argv`` is the rest of the command line: when it names a config file or
+    overrides, each key also shows the value they resolve to.
+    """
+    cfg, problems = _resolve_for_help(argv or [])
     lines = [
-        "usage: python -m spider_titan.train --job.config_file FILE [--section.key value ...]",
-        "Precedence: command line > TOML file > defaults.",
+        "usage: python -m spider_titan.train [--job.config_file FILE] [--section.key value ...] [--print_config]",
+        "Precedence: command line > TOML file > defaults. --section.key=value works too.",
+        "--print_config prints the resolved config as TOML and exits without building anything;",
+        "--help after a config file and overrides also shows the values they resolve to.",
         "",
     ]
+    if cfg is not None:
+        lines += ["Values of this config (as resolved from the command line) are shown after 'this config:'.", ""]
+    for problem in problems:
+        lines.append(f"config error (values of this config not shown): {problem}")
+    if problems:
+        lines.append("")
     for name, cls in sections().items():
         lines.append(f"[{name}]")
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         defaults = dataclasses.asdict(cls())
+        resolved = dataclasses.asdict(getattr(cfg, name)) if cfg is not None else {}
         for key in hints:
             if name == "model" and key == "overrides":
                 continue
-            lines.append(f"  --{name}.{key} ({_type_name(hints[key])}, default {defaults[key]!r})")
+            shown = f"default {_show(defaults[key])}"
+            if key in resolved and resolved[key] != defaults[key]:
+                shown += f"; this config: {_show(resolved[key])}"
+            lines.append(f"  --{name}.{key} ({_key_label(name, key, hints[key])}; {shown})")
             if docs.get(key):
                 lines.append(f"      {docs[key]}")
         lines.append("")
     for model_name in registry.names("model"):
         spec = registry.get("model", model_name)
-        docs = field_docs(spec.args_cls)
-        hints = typing.get_type_hints(spec.args_cls)
-        lines.append(f"[model] args of {model_name!r} (override the flavor's values; flavors: {list(spec.flavors)})")
-        for key in hints:
-            lines.append(f"  --model.{key} ({_type_name(hints[key])})")
-            if docs.get(key):
-                lines.append(f"      {docs[key]}")
+        resolved_args = None
+        if cfg is not None and cfg.model.name == model_name:
+            resolved_args = spec.build_args(cfg.model.flavor, cfg.model.overrides)
+        lines.append(f"[model] args of {model_name!r}: any of them set in [model] overrides the flavor's value")
+        lines.extend(_model_table(spec, resolved_args))
         lines.append("")
+    chosen_by = {kind: f"--{key}" for key, kind in REGISTRY_KEYS.items()} | BUILDER_CHOSEN
+    lines.append("Registered components (spider_titan/components/registry.py):")
+    width = max(map(len, registry.COMPONENTS))
+    for kind in registry.COMPONENTS:
+        lines.append(f"  {kind.ljust(width)}  {', '.join(registry.names(kind))}  ({chosen_by.get(kind, 'built in')})")
     return "\n".join(lines)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import tomli
 
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
@@ -126,3 +129,85 @@ def test_data_parallel_without_fsdp_is_refused():
     with pytest.raises(ConfigError, match="unsynchronised"):
         parse_args(["--parallelism.fsdp_enabled", "never"], env={"WORLD_SIZE": "2"})
     assert parse_args(["--parallelism.fsdp_enabled", "never"], env={"WORLD_SIZE": "1"})
+
+
+def test_help_lists_registered_names_for_registry_keys():
+    from spider_titan.components import registry
+    from spider_titan.config.manager import REGISTRY_KEYS
+
+    lines = help_text().splitlines()
+    for dotted, kind in REGISTRY_KEYS.items():
+        (line,) = [ln for ln in lines if ln.startswith(f"  --{dotted} (")]
+        assert "|".join(registry.names(kind)) in line, line
+    # kinds that no key names (the metric loggers) are listed too
+    (line,) = [ln for ln in lines if ln.startswith("  metric_logger ")]
+    assert all(name in line for name in registry.names("metric_logger"))
+
+
+def _model_row(text: str, model_name: str, key: str) -> list[str]:
+    """The cells of ``--model.<key>`` in the flavor table of ``model_name`` (columns are two or
+    more spaces apart; a list value such as ``[1, 4]`` holds single spaces)."""
+    table = text.split(f"[model] args of {model_name!r}")[1].split("\n\n")[0]
+    (row,) = [ln for ln in table.splitlines() if ln.split()[:1] == [f"--model.{key}"]]
+    return re.split(r"\s{2,}", row.strip())
+
+
+@pytest.mark.parametrize("model_name", ["spider", "dense"])
+def test_help_shows_every_model_arg_per_flavor(model_name):
+    """Each arg of each registered model has one column per flavor holding the flavor's value."""
+    from spider_titan.components import registry
+
+    spec = registry.get("model", model_name)
+    text = help_text()
+    header = text.split(f"[model] args of {model_name!r}")[1].splitlines()[1].split()
+    assert header == ["key", "type", *spec.flavors]
+    for f in dataclasses.fields(spec.args_cls):
+        cells = _model_row(text, model_name, f.name)[2:]
+        shown = [tomli.loads(f"v = {cell}")["v"] for cell in cells]
+        assert shown == [getattr(args, f.name) for args in spec.flavors.values()], (f.name, cells)
+
+
+def test_help_after_a_config_file_shows_its_resolved_values():
+    from spider_titan.components import registry
+
+    path = str(REPO / "train_configs" / "debug_model.toml")
+    cfg = parse_args(["--job.config_file", path], env={})
+    text = help_text(["--job.config_file", path, "--model.n_loops", "3", "--help"])
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("  --training.steps (")]
+    assert f"this config: {cfg.training.steps}" in line and cfg.training.steps != JobConfig().training.steps
+    cells = _model_row(text, cfg.model.name, "n_loops")[2:]
+    spec = registry.get("model", cfg.model.name)
+    assert cells == [str(args.n_loops) for args in spec.flavors.values()] + ["3"]
+    # a bad key does not hide the help: the problem is named and the defaults are shown
+    bad = help_text(["--training.stepz", "3"])
+    assert "config error" in bad and "training.stepz" in bad and "--training.steps (" in bad
+
+
+def test_print_config_round_trips_and_builds_nothing(tmp_path, capsys, monkeypatch):
+    from spider_titan import train
+    from spider_titan.config.manager import to_dict
+
+    def no_trainer(cfg):
+        raise AssertionError("--print_config must not build a Trainer")
+
+    monkeypatch.setattr(train, "Trainer", no_trainer)
+    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+            "--training.steps", "5", "--model.n_loops=3"]
+    assert train.main(argv + ["--print_config"]) == 0
+    out = capsys.readouterr().out
+    cfg = parse_args(argv)
+    assert tomli.loads(out) == to_dict(cfg)
+    again = parse_args(["--job.config_file", write(tmp_path, out)])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg and again.training.steps == 5 and again.model.overrides["n_loops"] == 3
+
+
+def test_print_config_with_a_bad_key_is_a_one_line_config_error(capsys, monkeypatch):
+    from spider_titan import train
+
+    monkeypatch.setattr(train, "Trainer", None)
+    assert train.main(["--training.stepz", "5", "--print_config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: --training.stepz")
