@@ -34,6 +34,7 @@ from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
 from spider_titan.metrics.logger import Throughput, format_duration, memory_gib, peak_flops, setup_logging
 from spider_titan.models.common import IGNORE_INDEX, lm_loss_sum
+from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
 
 logger = logging.getLogger("spider_titan")
@@ -248,14 +249,16 @@ class Trainer:
 
         ce_total = torch.zeros((), device=run.device)
         aux_totals: dict[str, torch.Tensor] = {}
-        for inputs, labels, sample_ids in micro_batches:
-            with self._autocast():
-                out = model(inputs, sample_ids=sample_ids)
-            ce = lm_loss_sum(out.logits, labels)
-            loss = ce * (dp / global_tokens)
-            if out.aux_loss is not None:
-                loss = loss + out.aux_loss / accum
-            loss.backward()
+        for i, (inputs, labels, sample_ids) in enumerate(micro_batches):
+            # FSDP reduce-scatters gradients on the last micro-batch only (once per step)
+            with maybe_no_grad_sync(model, is_last_microbatch=i == accum - 1):
+                with self._autocast():
+                    out = model(inputs, sample_ids=sample_ids)
+                ce = lm_loss_sum(out.logits, labels)
+                loss = ce * (dp / global_tokens)
+                if out.aux_loss is not None:
+                    loss = loss + out.aux_loss / accum
+                loss.backward()
             ce_total += ce.detach()
             for key, value in out.aux.items():
                 aux_totals[key] = aux_totals.get(key, 0) + value.detach().float() / accum

@@ -53,6 +53,19 @@ class MoEBackend(Protocol):
     def reduce(self, y_exp: torch.Tensor, weights: torch.Tensor, rmap: RoutingMap) -> torch.Tensor: ...
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's when autocast is on for ``t``'s device, else ``t``'s.
+
+    Autocast has no rule for ``torch._grouped_mm`` and RMSNorm returns fp32 under it, so without
+    this cast the experts would get fp32 tokens, and on CUDA torch's non-bf16 grouped GEMM falls
+    back to a loop over experts that waits on the host.
+    """
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
 def max_rows(num_tokens: int, top_k: int, n_experts: int, align: int) -> int:
     """Static upper bound on the expert-major buffer's rows."""
     return num_tokens * top_k + n_experts * (align - 1)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.moe.base import MoEBackend
+from spider_titan.moe.base import MoEBackend, compute_dtype
+from spider_titan.moe.routing_replay import is_recomputing, replay_or_record
 from spider_titan.moe.torch_backend import TorchMoEBackend
 
 
@@ -104,10 +105,16 @@ class GroupedExperts(nn.Module):
     def swiglu(
         self, x_exp: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
-        """The experts' SwiGLU on explicit weights (expert parallel passes its local shards)."""
+        """The experts' SwiGLU on explicit weights (expert parallel passes its local shards).
+
+        Tokens and weights are cast to the compute dtype (``base.compute_dtype``: autocast's when
+        it is on, else the tokens'), so the grouped GEMM never sees fp32 inputs under autocast.
+        """
+        dtype = compute_dtype(x_exp)
+        x_exp = x_exp.to(dtype)
         # Mask each product right away: garbage in unwritten rows would become NaN through
         # silu' in the backward even behind a later mask (0 * NaN = NaN).
-        w1, w3, w2 = (w if w.dtype == x_exp.dtype else w.to(x_exp.dtype) for w in (w1, w3, w2))
+        w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype) for w in (w1, w3, w2))
         gate = _zero_rows_past_end(self._grouped_mm(x_exp, w1, offs), offs)  # (R, inter)
         up = _zero_rows_past_end(self._grouped_mm(x_exp, w3, offs), offs)  # (R, inter)
         h = F.silu(gate) * up
@@ -167,12 +174,25 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, inter_dim)
         # Aux-loss-free balancing (DeepSeek-V3): shifts which experts are selected, never the weights.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        # Routed slots per expert over this optimizer step's training forwards (moe/load_balance.py
+        # reads and clears it); not part of the state dict. Counted only when ``count_load`` is set.
+        self.register_buffer("step_counts", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+        self.count_load = False
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """The routing decision: scores (T, E) -> topk_idx (T, k) over ``scores + expert_bias``."""
+        return torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> scores (T, E) fp32, topk_idx (T, k), gate weights (T, k) fp32."""
+        """x (T, dim) -> scores (T, E) fp32, topk_idx (T, k), gate weights (T, k) fp32.
+
+        The selection is made once per forward: an activation-checkpoint recompute replays it
+        (routing_replay.py) instead of choosing again, so ties or nondeterminism cannot route
+        the recompute differently. Scores and gate weights are recomputed (they carry gradient).
+        """
         logits = F.linear(x.float(), self.router.weight.float())  # (T, E)
         scores = logits.softmax(dim=-1)
-        topk_idx = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices  # (T, k)
+        topk_idx = replay_or_record(lambda: self.select(scores))  # (T, k)
         weights = scores.gather(1, topk_idx)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return scores, topk_idx, weights
@@ -183,10 +203,16 @@ class MoE(nn.Module):
         scores, topk_idx, weights = self.route(x2)
 
         rmap = self.backend.build_map(topk_idx, self.n_experts, self.align)
-        x_exp = self.backend.expand(x2, rmap)  # (R, dim)
+        # Cast before the expand: it then moves (and expert parallel all-to-alls) compute-dtype rows.
+        x_exp = self.backend.expand(x2.to(compute_dtype(x2)), rmap)  # (R, dim)
         y_exp = self.experts(x_exp, rmap.offs)  # (R, dim)
         y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
-        return y.to(x.dtype).reshape(shape), self._stats(scores, topk_idx, token_mask)
+        stats = self._stats(scores, topk_idx, token_mask)
+        # Training forwards only: not evaluation (its routing must not steer the next update), not
+        # an activation-checkpoint recompute (the same tokens a second time).
+        if self.count_load and self.training and not is_recomputing():
+            self.step_counts += stats.counts
+        return y.to(x.dtype).reshape(shape), stats
 
     def _stats(self, scores: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> MoEStats:
         T = scores.shape[0]
@@ -213,3 +239,4 @@ class MoE(nn.Module):
         nn.init.trunc_normal_(self.router.weight, std=init_std)
         self.experts.init_weights(init_std, out_std)
         self.expert_bias.zero_()
+        self.step_counts.zero_()

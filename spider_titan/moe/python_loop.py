@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from spider_titan.moe.base import compute_dtype
+
 
 def python_loop_moe(
     x: torch.Tensor,
@@ -26,13 +28,15 @@ def python_loop_moe(
     x (T, dim), topk_idx (T, k) int, weights (T, k), w1/w3 (E, dim, inter), w2 (E, inter, dim)
     -> y (T, dim) in x's dtype. The weights may also be sequences of E per-expert matrices, the
     layout of a seed-style ModuleList of experts (no slicing of a 3-D tensor in backward).
+    The experts compute in ``base.compute_dtype`` (autocast's when it is on), like the grouped path.
     """
+    dtype = compute_dtype(x)
     y = torch.zeros_like(x)
     for e in range(len(w1)):
         tok, slot = (topk_idx == e).nonzero(as_tuple=True)  # (n_e,), (n_e,)
         if tok.numel() == 0:
             continue
-        xe = x.index_select(0, tok)  # (n_e, dim)
-        ye = (F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]  # (n_e, dim)
+        xe = x.index_select(0, tok).to(dtype)  # (n_e, dim)
+        ye = (F.silu(xe @ w1[e].to(dtype)) * (xe @ w3[e].to(dtype))) @ w2[e].to(dtype)  # (n_e, dim)
         y = y.index_add(0, tok, ye * weights[tok, slot].unsqueeze(-1).to(x.dtype))
     return y

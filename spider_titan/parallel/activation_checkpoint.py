@@ -11,7 +11,10 @@ Modes (``[activation_checkpoint] mode``):
   with ``n_loops``; checkpointing it keeps one block input per loop instead.
 
 Wrapping uses non-reentrant ``checkpoint_wrapper``: recomputation replays the same RNG state, and
-``torch.distributed.checkpoint`` strips the wrapper's name from state-dict keys.
+``torch.distributed.checkpoint`` strips the wrapper's name from state-dict keys. Each checkpointed
+call runs its block inside a fresh ``RoutingReplay`` (moe/routing_replay.py): the recompute reuses
+the MoE routing of the forward (top-k, and under expert parallel the all-to-all split sizes) instead
+of routing again, and MoE layers do not count its tokens a second time for load balancing.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spider_titan.models.common import ModelSpec
+from spider_titan.moe.routing_replay import RoutingReplay
 
 logger = logging.getLogger("spider_titan")
 
@@ -64,8 +68,23 @@ def _op_policy_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+def _checkpoint_replaying_routing(module: nn.Module, *args, **kwargs):
+    """``torch.utils.checkpoint`` (non-reentrant) of ``module`` whose recompute replays the forward's
+    MoE routing. Under torch.compile the compiled graph recomputes by itself; plain checkpoint then."""
+    if torch.compiler.is_compiling():
+        return checkpoint(module, *args, use_reentrant=False, **kwargs)
+    replay = RoutingReplay()  # kept by the closure below until backward frees the checkpoint's frame
+
+    def run(*a, **kw):
+        with replay.activate():
+            return module(*a, **kw)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
 def _wrap(container: nn.Module, name: str, block: nn.Module, **kwargs) -> None:
-    container.register_module(name, checkpoint_wrapper(block, preserve_rng_state=True, **kwargs))
+    wrapper = checkpoint_wrapper(block, checkpoint_fn=_checkpoint_replaying_routing, preserve_rng_state=True, **kwargs)
+    container.register_module(name, wrapper)
 
 
 def apply_ac(model: nn.Module, spec: ModelSpec, cfg) -> int:

@@ -18,6 +18,9 @@ Scenarios (``comm_scenarios``, comma-separated):
                    unit all-float8: the payload moves as uint8): exactly the linear weights' bytes.
   expert_parallel  EP over all ranks (experts split ``world_size`` ways) inside FSDP: all-to-all,
                    all-gather and reduce-scatter bytes per step.
+  grad_accum       FSDP with 2 micro-batches per step, fp32: before (gradient sync on every
+                   micro-batch, the core resharded after forward) and after (sync on the last
+                   micro-batch only, ``fsdp.maybe_no_grad_sync``; the core kept gathered, the default).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SCENARIOS = ("n_loops", "float8", "float8_linears", "expert_parallel")
+SCENARIOS = ("n_loops", "float8", "float8_linears", "expert_parallel", "grad_accum")
 
 
 def benchmark_comm(args: argparse.Namespace) -> dict:
@@ -69,12 +72,13 @@ def _worker(rank: int, world_size: int, store: str, scenarios: list[str], steps:
 
 
 def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dtype: torch.dtype,
-                 per_block_units: bool = False) -> dict[str, dict[str, int]]:
-    """Train the Spider debug flavor ``steps`` steps under FSDP (+ overrides); the last step's tally."""
+                 per_block_units: bool = False, accum: int = 1, no_sync: bool = False) -> dict[str, dict[str, int]]:
+    """Train the Spider debug flavor ``steps`` steps under FSDP (+ overrides), ``accum`` micro-batches
+    a step (gradient sync on the last only with ``no_sync``); the last step's tally."""
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
     from spider_titan.parallel.comm_counter import CommCounter
-    from spider_titan.parallel.fsdp import apply_fsdp
+    from spider_titan.parallel.fsdp import apply_fsdp, maybe_no_grad_sync
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism
     from spider_titan.parallel.utils import clip_grad_norm_
@@ -98,8 +102,10 @@ def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dty
     post_step = build_float8_post_step_hook(model, cfg.float8)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
-        x = torch.randint(0, 256, (2, 65), generator=gen)
-        model(x[:, :-1], labels=x[:, 1:]).loss.backward()
+        for i in range(accum):
+            x = torch.randint(0, 256, (2, 65), generator=gen)
+            with maybe_no_grad_sync(model, is_last_microbatch=not no_sync or i == accum - 1):
+                model(x[:, :-1], labels=x[:, 1:]).loss.backward()
         clip_grad_norm_(list(model.parameters()), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -190,6 +196,30 @@ def _expert_parallel(world_size: int, steps: int) -> dict:
     }
 
 
+def _grad_accum(world_size: int, steps: int) -> dict:
+    before = _spider_step(world_size, steps, ["--parallelism.fsdp_reshard_after_forward_units", "core=true"],
+                          param_dtype=torch.float32, accum=2)
+    after = _spider_step(world_size, steps, [], param_dtype=torch.float32, accum=2, no_sync=True)
+    out = {}
+    for name, tally in (("before", before), ("after", after)):
+        out[name] = {
+            "all_gather": _total(tally, "all_gather"),
+            "reduce_scatter": _total(tally, "reduce_scatter"),
+            "core_all_gather": _total(tally, "all_gather", "core"),
+            "core_reduce_scatter": _total(tally, "reduce_scatter", "core"),
+        }
+        out[name]["total"] = out[name]["all_gather"] + out[name]["reduce_scatter"]
+    out["after_over_before"] = round(out["after"]["total"] / out["before"]["total"], 4)
+    return out
+
+
 _RUNNERS = {
     "n_loops": _n_loops, "float8": _float8, "float8_linears": _float8_linears, "expert_parallel": _expert_parallel,
+    "grad_accum": _grad_accum,
 }
+
+
+if __name__ == "__main__":  # python -m spider_titan.parallel.comm_bench [scenario,...]
+    import sys
+
+    print(json.dumps(benchmark_comm(argparse.Namespace(comm_scenarios=",".join(sys.argv[1:]))), indent=2))

@@ -13,7 +13,9 @@ One layer call, E experts, El = E/ep local experts:
    multiples of ``align`` on the receiving side); all-to-all of the counts gives
    ``recv (ep, El)``: rows each source rank sends for each of my experts.
 2. The one host sync of the call: ``counts`` and ``recv`` cross to the host together, to size the
-   token all-to-all (uneven splits).
+   token all-to-all (uneven splits). Steps 1-2 are recorded in forward and replayed by an
+   activation-checkpoint recompute (moe/routing_replay.py): no second exchange, no second sync, and
+   the recompute's all-to-alls have the forward's split sizes on every rank.
 3. Differentiable all-to-all of the rows ``x_exp[:offs[-1]]`` (they are expert-major, so the rows
    for EP rank r are one contiguous block). What arrives is rank-major ``[source][expert]``;
    a gather reorders it expert-major ``[expert][source]`` (each expert's rows in source order).
@@ -35,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from spider_titan.moe.layer import GroupedExperts, MoE
+from spider_titan.moe.routing_replay import replay_or_record
 from spider_titan.parallel.comm_counter import CommCounter
 
 
@@ -109,15 +112,9 @@ class ExpertParallelExperts(GroupedExperts):
     def forward(self, x_exp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep_size, self.ep_group
         n_local = self.n_experts // ep
-        counts = torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long))  # (E,)
-        recv = torch.empty_like(counts)  # (ep * El,) [source][local expert]
-        if self.comm_counter is not None:
-            self.comm_counter.add("all_to_all", self.comm_tag, counts.numel() * counts.element_size())
-        dist.all_to_all_single(recv, counts, group=group)
-        host = torch.cat([counts, recv]).tolist()  # the one host sync of the layer call
-        send_splits = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
-        recv_host = host[self.n_experts:]
-        recv_splits = [sum(recv_host[s * n_local:(s + 1) * n_local]) for s in range(ep)]
+        # Recorded in forward, replayed by an activation-checkpoint recompute (routing_replay.py):
+        # the recompute neither exchanges counts nor syncs, and sends exactly what the forward did.
+        send_splits, recv_splits, recv = replay_or_record(lambda: self._exchange_counts(offs))
         n_send, n_recv = sum(send_splits), sum(recv_splits)
 
         x_recv = all_to_all(x_exp[:n_send], recv_splits, send_splits, group, self.comm_counter, self.comm_tag)
@@ -129,6 +126,20 @@ class ExpertParallelExperts(GroupedExperts):
         inverse[index] = torch.arange(n_recv, device=index.device)
         y = all_to_all(y_local[inverse], send_splits, recv_splits, group, self.comm_counter, self.comm_tag)
         return F.pad(y, (0, 0, 0, x_exp.shape[0] - n_send))  # padding rows come out zero
+
+    def _exchange_counts(self, offs: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """Steps 1-2: (rows I send to each rank, rows I receive from each, recv (ep * El,))."""
+        ep, n_local = self.ep_size, self.n_experts // self.ep_size
+        counts = torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long))  # (E,)
+        recv = torch.empty_like(counts)  # (ep * El,) [source][local expert]
+        if self.comm_counter is not None:
+            self.comm_counter.add("all_to_all", self.comm_tag, counts.numel() * counts.element_size())
+        dist.all_to_all_single(recv, counts, group=self.ep_group)
+        host = torch.cat([counts, recv]).tolist()  # the one host sync of the layer call
+        send_splits = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+        recv_host = host[self.n_experts:]
+        recv_splits = [sum(recv_host[s * n_local:(s + 1) * n_local]) for s in range(ep)]
+        return send_splits, recv_splits, recv
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, counter: CommCounter | None = None) -> int:

@@ -20,6 +20,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # FSDP2's c
 
 from spider_titan.parallel.comm_counter import CountingComm
 
+# torch >= 2.12 name; 2.11 has only the older one (deprecated since, the same collective)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 FLOAT8_DTYPES = frozenset(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -45,4 +48,4 @@ class BytesAllGather(CountingComm, AllGather):
     ):
         out, inp = as_bytes_if_float8(output_tensor), as_bytes_if_float8(input_tensor)
         self.count("all_gather", group, out.numel() * out.element_size())
-        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+        return _all_gather_single(out, inp, group=group, async_op=async_op)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spider_titan.models.common import ModelSpec
 from spider_titan.parallel.comm_counter import CommCounter
 from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
-from spider_titan.parallel.fsdp import apply_fsdp
+from spider_titan.parallel.fsdp import apply_forward_prefetch, apply_fsdp, device_memory_bytes, keep_gathered
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 
 logger = logging.getLogger("spider_titan")
@@ -27,14 +27,51 @@ COMM_COUNTS_FILE = "comm_counts.jsonl"
 
 
 def fsdp_units(spec: ModelSpec, model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The FSDP units below the root, innermost first: every block, except that a recurrent
+    """The FSDP units below the root, in forward order: every block, except that a recurrent
     container's blocks are not units of their own, their owner (the module running the loop,
-    the container's parent) is one unit instead (see fsdp.py)."""
-    owners = _loop_owners(spec)
-    inside_owner = lambda fqn: any(o == "" or fqn.startswith(o + ".") for o in owners)  # noqa: E731
-    units = [(fqn, block) for fqn, block in spec.blocks(model) if not inside_owner(fqn)]
-    units += [(o, model.get_submodule(o)) for o in owners if o]
+    the container's parent) is one unit instead, in the place of its first block (see fsdp.py).
+    No unit contains another, so this order is also a valid order to shard them in."""
+    owners = [o for o in _loop_owners(spec) if o]
+    units: list[tuple[str, nn.Module]] = []
+    for fqn, block in spec.blocks(model):
+        owner = next((o for o in owners if fqn.startswith(o + ".")), None)
+        if owner is None:
+            units.append((fqn, block))
+        elif owner not in dict(units):
+            units.append((owner, model.get_submodule(owner)))
     return units
+
+
+def unit_reshard_after_forward(
+    units: list[tuple[str, nn.Module]], owners: list[str], cfg, param_dtype: torch.dtype
+) -> dict[str, bool]:
+    """``{unit fqn: reshard after forward?}`` for the units that differ from the global policy:
+    the loop owners kept gathered by the fsdp.py rule (``default`` policy only), then the
+    ``fsdp_reshard_after_forward_units`` overrides. ``cfg`` is the [parallelism] section."""
+    out: dict[str, bool] = {}
+    modules = dict(units)
+    if cfg.fsdp_reshard_after_forward == "default" and cfg.fsdp_keep_core_gathered_fraction > 0:
+        for owner in owners:
+            if owner not in modules:
+                continue
+            module = modules[owner]
+            memory = device_memory_bytes(next(module.parameters()).device)
+            if keep_gathered(module, param_dtype, memory, cfg.fsdp_keep_core_gathered_fraction):
+                out[owner] = False
+                logger.info("FSDP2: %s stays gathered between forward and backward (its parameters fit in "
+                            "%g of device memory)", owner, cfg.fsdp_keep_core_gathered_fraction)
+            else:
+                logger.info("FSDP2: %s reshards after forward (its parameters exceed %g of device memory)",
+                            owner, cfg.fsdp_keep_core_gathered_fraction)
+    for entry in cfg.fsdp_reshard_after_forward_units:
+        fqn, sep, value = entry.partition("=")
+        if not sep or value.strip().lower() not in ("true", "false"):
+            raise ValueError(
+                f"parallelism.fsdp_reshard_after_forward_units: {entry!r} is not FQN=true|false "
+                f"(e.g. core=true); units are {[f for f, _ in units]}"
+            )
+        out[fqn.strip()] = value.strip().lower() == "true"
+    return out
 
 
 def apply_parallelism(
@@ -83,11 +120,17 @@ def apply_parallelism(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        unit_reshard=unit_reshard_after_forward(units, _loop_owners(spec), cfg, param_dtype),
         expert_params=expert_params,
         expert_mesh=meshes["efsdp"] if dims.ep_enabled else None,
         gradient_divide_factor=dims.gradient_divide_factor,
         counter=counter,
     )
+    if dims.ep_enabled:
+        pairs = apply_forward_prefetch(units, _loop_owners(spec))
+        if pairs:
+            logger.info("FSDP2 forward prefetch around the core (expert parallel): %s",
+                        ", ".join(f"{a} -> {b}" for a, b in pairs))
     logger.info(
         "FSDP2 over %s: %d units (%s) + root, params %s, reduce %s",
         dims.describe(), len(units), ", ".join(f for f, _ in units),

@@ -21,7 +21,8 @@ def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]
     losses = []
     try:
         for _ in range(steps):
-            losses.append(trainer.reduce_metrics(trainer.train_step(trainer.next_micro_batches()))["loss"])
+            step = len(losses) + 1
+            losses.append(trainer.reduce_metrics(trainer.train_step(trainer.next_micro_batches(), step))["loss"])
             if on_step is not None:
                 on_step()
         return losses

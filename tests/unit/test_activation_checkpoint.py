@@ -55,3 +55,29 @@ def test_ac_wraps_the_blocks_each_mode_names():
         counts[mode] = apply_ac(model, spec, cfg.activation_checkpoint)
     n_blocks = args.n_prelude + args.n_core + args.n_coda
     assert counts == {"full": n_blocks, "selective": (n_blocks + 1) // 2, "recurrent": args.n_core}
+
+
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("recurrent", "op")])
+def test_recompute_replays_the_forward_routing(mode, option, monkeypatch):
+    """A router that would choose differently on every call (each ``select`` adds its own random
+    bias): AC gradients still equal ``none``'s, because the recompute reuses the forward's top-k."""
+    import itertools
+
+    from spider_titan.moe.layer import MoE
+
+    calls = {"n": itertools.count()}
+
+    def reroute(self, scores):
+        bias = torch.rand(self.n_experts, generator=torch.Generator().manual_seed(next(calls["n"])))
+        return torch.topk(scores.detach() + bias, self.top_k, dim=-1).indices
+
+    monkeypatch.setattr(MoE, "select", reroute)
+    torch.manual_seed(0)
+    inputs = torch.randint(0, 256, (2, 48))
+    ref = grads_for("spider", "none", "op", inputs)
+    n_forward = next(calls["n"])
+    calls["n"] = itertools.count()
+    got = grads_for("spider", mode, option, inputs)
+    assert next(calls["n"]) == n_forward > 0  # the recompute did not route again
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=name)

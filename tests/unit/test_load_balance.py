@@ -1,4 +1,5 @@
-"""Aux-loss-free balancing: counts over micro-batches, not recomputations; the update direction."""
+"""Aux-loss-free balancing: counts over training micro-batches only (not recomputations, not
+evaluation forwards); the update direction."""
 
 from __future__ import annotations
 
@@ -19,36 +20,60 @@ def build(ac_mode: str):
 
 
 def run_step(model, opt, batches):
+    model.train()
     for x in batches:
         torch.manual_seed(1)
         out = model(x)
         (out.logits.float().mean() + out.aux_loss).backward()
 
 
+def batches(seed: int, n: int = 2) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (2, 64), generator=gen) for _ in range(n)]
+
+
 def test_counts_cover_all_micro_batches_and_skip_recomputation():
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 256, (2, 64), generator=gen) for _ in range(2)]
     model, opt, bal = build("none")
-    run_step(model, opt, batches)
-    ref = {k: v.clone() for k, v in bal.counts.items()}
-    per_layer = [ref[id(m)] for m in model.modules() if isinstance(m, MoE)]
-    total_slots = sum(float(c.sum()) for c in per_layer)
-    assert total_slots > 0
+    run_step(model, opt, batches(0))
+    per_layer = [c.clone() for c in bal.counts()]
+    assert sum(float(c.sum()) for c in per_layer) > 0
 
     model_ac, opt_ac, bal_ac = build("full")  # full AC re-runs every MoE forward in backward
-    run_step(model_ac, opt_ac, batches)
-    got = [bal_ac.counts[id(m)] for m in model_ac.modules() if isinstance(m, MoE)]
-    for a, b in zip(per_layer, got):
+    run_step(model_ac, opt_ac, batches(0))
+    for a, b in zip(per_layer, bal_ac.counts()):
         torch.testing.assert_close(a, b)
 
 
 def test_update_moves_bias_toward_balance_once_per_step():
     model, opt, bal = build("none")
-    run_step(model, opt, [torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))])
+    run_step(model, opt, batches(0, n=1))
     layers = [m for m in model.modules() if isinstance(m, MoE)]
-    counts = [bal.counts[id(m)].clone() for m in layers]
+    counts = [c.clone() for c in bal.counts()]
     opt.step()  # the pre-hook applies the update and clears the counts
-    assert not bal.counts
+    assert all((c == 0).all() for c in bal.counts())
     for layer, c in zip(layers, counts):
         expected = 0.01 * torch.sign(c.mean() - c)
         torch.testing.assert_close(layer.expert_bias, expected)
+    opt.step()  # a step without training forwards leaves the bias alone
+    for layer, c in zip(layers, counts):
+        torch.testing.assert_close(layer.expert_bias, 0.01 * torch.sign(c.mean() - c))
+
+
+def test_eval_forward_between_steps_does_not_feed_the_update():
+    """A validation forward (eval mode) between two steps changes neither the counts nor the bias
+    update: the run with it ends with the same biases as the run without it."""
+    biases = []
+    for with_eval in (False, True):
+        model, opt, bal = build("recurrent")
+        for step in range(2):
+            run_step(model, opt, batches(step))
+            opt.step()
+            if with_eval:
+                model.eval()
+                with torch.no_grad():
+                    model(batches(99)[0])
+                assert all((c == 0).all() for c in bal.counts())
+        biases.append([m.expert_bias.clone() for m in model.modules() if isinstance(m, MoE)])
+    assert any((b != 0).any() for b in biases[0])
+    for a, b in zip(*biases):
+        torch.testing.assert_close(a, b)

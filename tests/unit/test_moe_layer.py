@@ -272,3 +272,79 @@ def test_compiles_fp32():
     (y.sum() + stats.aux_loss).backward()
     torch.testing.assert_close(y, y_ref)
     assert torch.isfinite(x.grad).all()
+
+
+# ---- compute dtype under autocast --------------------------------------------------------------
+
+
+def _spy_grouped_mm(monkeypatch) -> list[tuple[torch.dtype, torch.dtype]]:
+    """Record the (a, b) dtypes of every grouped GEMM call (forward and backward)."""
+    from spider_titan.moe import layer as layer_mod
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = layer_mod._raw_grouped_mm
+
+    def spy(a, b, offs):
+        seen.append((a.dtype, b.dtype))
+        return real(a, b, offs)
+
+    monkeypatch.setattr(layer_mod, "_raw_grouped_mm", spy)
+    return seen
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_experts_run_in_autocast_dtype(align, monkeypatch):
+    """Under autocast the grouped GEMM gets bf16 tokens and weights (fp32 parameters, fp32 inputs
+    as RMSNorm hands them over), and the layer still matches the fp32 run within bf16 tolerance."""
+    moe = make_moe(align=align)
+    x = torch.randn(3, 7, DIM)
+    y_ref, _ = moe(x)
+    seen = _spy_grouped_mm(monkeypatch)
+    xx = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, stats = moe(xx)
+    (y.float().sum() + stats.aux_loss).backward()
+    assert len(seen) == 9  # 3 in forward, 2 per GEMM in backward
+    assert all(d == (torch.bfloat16, torch.bfloat16) for d in seen), seen
+    assert y.dtype == torch.float32 and moe.experts.w1.grad.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, atol=5e-2, rtol=5e-2)  # as the bf16-weights test above
+    assert torch.isfinite(xx.grad).all()
+
+
+def test_experts_stay_fp32_without_autocast(monkeypatch):
+    moe = make_moe()
+    seen = _spy_grouped_mm(monkeypatch)
+    moe(torch.randn(2, 5, DIM))
+    assert seen and all(d == (torch.float32, torch.float32) for d in seen), seen
+
+
+def test_python_loop_runs_in_autocast_dtype(monkeypatch):
+    moe = make_moe()
+    x = torch.randn(11, DIM)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(11)])  # (T, k)
+    w = torch.rand(11, 2)
+    e = moe.experts
+    ref = python_loop_moe(x, idx, w, e.w1, e.w3, e.w2)
+    seen = []
+    real_silu = torch.nn.functional.silu
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda t: seen.append(t.dtype) or real_silu(t))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = python_loop_moe(x, idx, w, e.w1, e.w3, e.w2)
+    assert seen and set(seen) == {torch.bfloat16} and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_grouped_gemm_is_bf16(monkeypatch):
+    """On CUDA (where a non-bf16 grouped GEMM falls back to a host-synchronising loop over experts)
+    autocast hands the grouped GEMM bf16 tokens and weights, forward and backward."""
+    moe = make_moe(align=16).cuda()
+    x = torch.randn(4, 32, DIM, device="cuda")
+    y_ref, _ = moe(x)
+    seen = _spy_grouped_mm(monkeypatch)
+    xx = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, stats = moe(xx)
+    (y.float().sum() + stats.aux_loss).backward()
+    assert len(seen) == 9 and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+    torch.testing.assert_close(y, y_ref, atol=5e-2, rtol=5e-2)

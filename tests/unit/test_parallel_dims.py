@@ -142,4 +142,4 @@ def test_spider_fsdp_units_make_the_core_one_unit():
 
     spec, _, model = build_model(parse_args(["--model.name", "spider", "--model.flavor", "debug"], env={}))
     names = [fqn for fqn, _ in fsdp_units(spec, model)]
-    assert names == ["prelude.layers.0", "coda.layers.0", "core"]
+    assert names == ["prelude.layers.0", "core", "coda.layers.0"]  # forward order
