@@ -37,7 +37,6 @@ from spider_titan.config.job_config import JobConfig
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
 from spider_titan.models.common import DTYPES, ModelSpec
-from spider_titan.moe.load_balance import maybe_apply_aux_free_balancing
 from spider_titan.optim.lr_schedulers import build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.compile import apply_compile
@@ -116,16 +115,18 @@ def resolve_converters(cfg: JobConfig) -> list[str]:
     return converters
 
 
-def build_model(cfg: JobConfig) -> tuple[ModelSpec, Any, nn.Module]:
+def build_model(cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None = None) -> tuple[ModelSpec, Any, nn.Module]:
     """Steps 3-7: the model on the meta device, converted, with its MoE backend, AC and compile."""
     spec = registry.get("model", cfg.model.name)
     args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
     # 3) build on meta
     with torch.device("meta"):
         model = spec.model_cls(args)
-    # 4) converters
+    # 4) converters; their post-step hooks go to ``post_step_hooks`` when a list is given
     for name in resolve_converters(cfg):
-        registry.get("converter", name)(model, getattr(cfg, name, None))
+        report = registry.get("converter", name)(model, getattr(cfg, name, None))
+        if post_step_hooks is not None:
+            post_step_hooks.extend(getattr(report, "post_step_hooks", []))
     # 5) MoE backend
     backend_cls = registry.get("moe_backend", cfg.moe.backend)
     n_moe = apply_moe_backend(model, backend_cls())
@@ -178,10 +179,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     meshes = dims.build_meshes(device.type) if world_size > 1 else None
 
-    if cfg.moe.backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # Triton reads this when the kernels are first defined (lazily, when the backend is built).
-        os.environ["TRITON_INTERPRET"] = "1"
-        logger.info("MoE backend 'triton' on CPU: running its kernels in Triton's interpreter (correct, slow)")
+    registry.get("moe_backend", cfg.moe.backend).prepare(device)
 
     # 2) data: every rank loads its own slice ("dp" covers all ranks)
     dp_rank = meshes["world"].get_local_rank() if meshes is not None else 0
@@ -202,7 +200,8 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
         )
 
     # 3)-7) model on meta, converters, MoE backend, activation checkpointing, compile
-    spec, args, model = build_model(cfg)
+    post_step_hooks: list[Callable[[], None]] = []  # run after every optimizer step, in this order
+    spec, args, model = build_model(cfg, post_step_hooks)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s/%s: %.2f M parameters", cfg.model.name, cfg.model.flavor, n_params / 1e6)
 
@@ -220,7 +219,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
 
     # 10) optimizer, 11) lr scheduler
     optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
-    maybe_apply_aux_free_balancing(model, optimizer, cfg.moe)
+    post_step_hooks.extend(registry.get("load_balance", cfg.moe.load_balance)(model, cfg.moe))
     steps = total_steps(cfg, dims.dp_degree)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
 
@@ -236,13 +235,6 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
                     cfg.metrics, log_dir=dump_folder / cfg.metrics.save_tb_folder, rank=rank
                 )
             )
-
-    post_step_hooks = []
-    from spider_titan.quantization.float8 import build_float8_post_step_hook
-
-    hook = build_float8_post_step_hook(model, cfg.float8)
-    if hook is not None:
-        post_step_hooks.append(hook)
 
     return Run(
         cfg=cfg, device=device, rank=rank, world_size=world_size, parallel_dims=dims, meshes=meshes,

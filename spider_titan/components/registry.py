@@ -46,11 +46,19 @@ COMPONENTS: dict[str, dict[str, str]] = {
     "parallelize": {
         "fsdp": "spider_titan.parallel.parallelize:apply_parallelism",
     },
-    # apply_*(model, cfg) -> None: swap modules in place after building on meta
+    # apply_*(model, cfg) -> report: swap modules in place after building on meta; the report's
+    # ``post_step_hooks`` (if any) run after every optimizer step
     "converter": {
         "float8": "spider_titan.quantization.float8:apply_float8",
     },
-    # MoE backends: objects implementing spider_titan.moe.base.MoEBackend
+    # apply_*(model, cfg: MoEConfig) -> list of post-step hooks: [moe] load_balance
+    "load_balance": {
+        "aux_loss": "spider_titan.moe.load_balance:apply_aux_loss_balancing",
+        "aux_free": "spider_titan.moe.load_balance:apply_aux_free_balancing",
+        "both": "spider_titan.moe.load_balance:apply_aux_free_balancing",
+    },
+    # MoE backends: classes implementing spider_titan.moe.base.MoEBackend, with a static
+    # ``prepare(device)`` for process-wide set-up before the first one is built
     "moe_backend": {
         "torch": "spider_titan.moe.torch_backend:TorchMoEBackend",
         "triton": "spider_titan.moe.triton_backend:TritonMoEBackend",

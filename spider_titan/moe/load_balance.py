@@ -8,13 +8,14 @@ Counts are accumulated inside each MoE layer's forward (``MoE.step_counts``) ove
 micro-batch (and every loop of the recurrent core), for training forwards only: a forward in eval
 mode (validation between steps) and a forward re-run by activation checkpointing during backward
 (moe/routing_replay.py tells) are not counted. Before the update they are summed over all ranks,
-so the result does not depend on gradient accumulation or world size. The update runs in an
-optimizer step pre-hook, i.e. once per step, after all gradients exist.
+so the result does not depend on gradient accumulation or world size. The update is a post-step
+hook the builder runs after every optimizer step (registry kind ``load_balance``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,14 +27,15 @@ logger = logging.getLogger("spider_titan")
 
 
 class AuxFreeBalancer:
-    """Switches counting on in every MoE layer and applies the bias update before each optimizer step."""
+    """Switches counting on in every MoE layer; :meth:`update`, run after each optimizer step (the
+    builder registers it as a post-step hook), moves every layer's expert bias. The bias is a
+    buffer the optimizer never touches, so after the step or before it gives the same model."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, rate: float):
+    def __init__(self, model: nn.Module, rate: float):
         self.rate = rate
         self.layers = [m for m in model.modules() if isinstance(m, MoE)]
         for layer in self.layers:
             layer.count_load = True
-        self.handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.update())
         logger.info("aux-loss-free balancing on %d MoE layers, rate %g", len(self.layers), rate)
 
     def counts(self) -> list[torch.Tensor]:
@@ -50,15 +52,22 @@ class AuxFreeBalancer:
             layer.step_counts.zero_()
 
     def remove(self) -> None:
-        self.handle.remove()
         for layer in self.layers:
             layer.count_load = False
 
 
-def maybe_apply_aux_free_balancing(model: nn.Module, optimizer: torch.optim.Optimizer, cfg) -> AuxFreeBalancer | None:
-    """``cfg`` is the [moe] section; None when the mode does not use the bias or there is no MoE."""
-    if cfg.load_balance not in ("aux_free", "both"):
-        return None
+# The [moe] load_balance components (registry kind "load_balance"): ``(model, cfg) -> post-step
+# hooks``, ``cfg`` being the [moe] section. The aux loss itself lives in the model (its weight is
+# a model arg the builder sets from [moe]); the bias needs the counting and the update.
+
+
+def apply_aux_loss_balancing(model: nn.Module, cfg) -> list[Callable[[], None]]:
+    """``aux_loss``: nothing outside the model's loss."""
+    return []
+
+
+def apply_aux_free_balancing(model: nn.Module, cfg) -> list[Callable[[], None]]:
+    """``aux_free`` / ``both``: the selection bias, updated after every optimizer step."""
     if not any(isinstance(m, MoE) for m in model.modules()):
-        return None
-    return AuxFreeBalancer(model, optimizer, cfg.bias_update_rate)
+        return []
+    return [AuxFreeBalancer(model, cfg.bias_update_rate).update]

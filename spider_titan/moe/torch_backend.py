@@ -112,6 +112,10 @@ class TorchMoEBackend:
 
     name = "torch"
 
+    @staticmethod
+    def prepare(device: torch.device) -> None:
+        """Process-wide set-up for a run on ``device`` (none needed)."""
+
     def build_map(self, topk_idx: torch.Tensor, n_experts: int, align: int) -> RoutingMap:
         with torch.no_grad():
             return build_routing_map(topk_idx, n_experts, align)

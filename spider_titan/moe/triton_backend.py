@@ -17,6 +17,8 @@ are first imported.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from types import ModuleType
 
 import torch
@@ -28,6 +30,9 @@ from spider_titan.moe.base import (
     check_topk_idx,
     max_rows,
 )
+
+
+logger = logging.getLogger("spider_titan")
 
 
 @functools.cache
@@ -173,6 +178,14 @@ class TritonMoEBackend:
     """Routing map, expand and reduce as Triton kernels (GPU, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
+
+    @staticmethod
+    def prepare(device: torch.device) -> None:
+        """Process-wide set-up before a run on ``device`` builds the backend: on CPU switch on
+        Triton's interpreter, which Triton reads when the kernels are first defined."""
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            os.environ["TRITON_INTERPRET"] = "1"
+            logger.info("MoE backend 'triton' on CPU: running its kernels in Triton's interpreter (correct, slow)")
 
     def __init__(self) -> None:
         self.interpreted = _kernels().INTERPRETED  # read once: torch.compile need not trace the cache

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MethodType
 
@@ -37,10 +38,13 @@ FP8_ALIGN = 16
 
 @dataclass
 class Float8Report:
+    """What the converter did, and the hooks it hands the builder to run after every optimizer step."""
+
     converted: list[str] = field(default_factory=list)
     skipped_by_filter: list[str] = field(default_factory=list)
     skipped_by_shape: list[str] = field(default_factory=list)
     fp8_experts: int = 0
+    post_step_hooks: list[Callable[[], None]] = field(default_factory=list)
 
 
 def torchao_float8_available() -> tuple[bool, str]:
@@ -122,6 +126,9 @@ def apply_float8(model: nn.Module, cfg) -> Float8Report:
         f", {len(report.skipped_by_shape)} by shape: {', '.join(report.skipped_by_shape)}" if report.skipped_by_shape else "",
         report.fp8_experts,
     )
+    hook = build_float8_post_step_hook(model, cfg)
+    if hook is not None:
+        report.post_step_hooks.append(hook)
     return report
 
 

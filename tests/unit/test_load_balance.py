@@ -15,8 +15,18 @@ def build(ac_mode: str):
     cfg = parse_args(["--model.name", "spider", "--activation_checkpoint.mode", ac_mode], env={})
     _, _, model = build_model(cfg)
     materialize(model, torch.device("cpu"), 0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    return model, opt, AuxFreeBalancer(model, opt, rate=0.01)
+    bal = AuxFreeBalancer(model, rate=0.01)
+    return model, Step(bal), bal
+
+
+class Step:
+    """An optimizer step as the trainer runs it: the (no-op) update, then the post-step hook."""
+
+    def __init__(self, bal: AuxFreeBalancer):
+        self.bal = bal
+
+    def step(self) -> None:
+        self.bal.update()
 
 
 def run_step(model, opt, batches):
@@ -49,7 +59,7 @@ def test_update_moves_bias_toward_balance_once_per_step():
     run_step(model, opt, batches(0, n=1))
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     counts = [c.clone() for c in bal.counts()]
-    opt.step()  # the pre-hook applies the update and clears the counts
+    opt.step()  # the post-step hook applies the update and clears the counts
     assert all((c == 0).all() for c in bal.counts())
     for layer, c in zip(layers, counts):
         expected = 0.01 * torch.sign(c.mean() - c)
@@ -77,3 +87,17 @@ def test_eval_forward_between_steps_does_not_feed_the_update():
     assert any((b != 0).any() for b in biases[0])
     for a, b in zip(*biases):
         torch.testing.assert_close(a, b)
+
+
+def test_registry_hands_the_update_to_the_builder_as_a_post_step_hook():
+    from spider_titan.components.builder import build_run
+    from spider_titan.config.manager import parse_args as parse
+
+    def hooks(mode):
+        cfg = parse(["--model.name", "spider", "--training.dataset", "mock", "--training.seq_len", "64",
+                     "--moe.load_balance", mode], env={})
+        return build_run(cfg, rank=0, world_size=1, dump_folder=__import__("pathlib").Path("/tmp/unused")).post_step_hooks
+
+    assert hooks("aux_loss") == []
+    (update,) = hooks("aux_free")
+    assert isinstance(update.__self__, AuxFreeBalancer)
