@@ -211,7 +211,7 @@ class MoE(nn.Module):
         # Training forwards only: not evaluation (its routing must not steer the next update), not
         # an activation-checkpoint recompute (the same tokens a second time).
         if self.count_load and self.training and not is_recomputing():
-            self.step_counts += stats.counts
+            self.step_counts.add_(stats.counts)
         return y.to(x.dtype).reshape(shape), stats
 
     def _stats(self, scores: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> MoEStats:
