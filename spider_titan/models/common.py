@@ -62,6 +62,10 @@ class ModelSpec:
     flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
     recurrent_containers: the block containers applied several times per forward (a recurrent
                       core); activation checkpointing's ``recurrent`` mode wraps these
+    eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
+                      calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
+                      ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
+                      as ``val_<key>``); None means one plain pass
     """
 
     name: str
@@ -71,6 +75,7 @@ class ModelSpec:
     block_containers: tuple[str, ...]
     flops_per_token: Callable[..., float]
     recurrent_containers: tuple[str, ...] = ()
+    eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""

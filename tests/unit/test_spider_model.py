@@ -83,15 +83,29 @@ def causality_gaps(model: Spider, ids: torch.Tensor, *, train: bool, seed: int, 
     return out
 
 
-@pytest.mark.parametrize("predictor", ["learned", "content", "every_byte"])
+# Every boundary configuration (predictor x training noise x objective; the objective changes the
+# loss, not the forward, but each one is a configuration a user can train) plus two forced
+# predictors that make the segmentation ragged / extreme.
+BOUNDARY_CONFIGS = {
+    "cosine_ratio": {"boundary_predictor": "cosine", "boundary_loss": "ratio", "boundary_noise": "none"},
+    "cosine_ste": {"boundary_predictor": "cosine", "boundary_loss": "ratio", "boundary_noise": "none", "boundary_ste": True},
+    "cosine_hinge_gumbel": {"boundary_predictor": "cosine", "boundary_loss": "hinge", "boundary_noise": "gumbel"},
+    "mlp_ratio": {"boundary_predictor": "mlp", "boundary_loss": "ratio", "boundary_noise": "none"},
+    "mlp_hinge_gumbel_act": {"boundary_predictor": "mlp", "boundary_loss": "hinge", "boundary_noise": "gumbel",
+                             "boundary_standardize": False, "boundary_ste": True, "halting": "act"},
+    "fixed": {"boundary_predictor": "fixed"},
+}
+
+
+@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_causality(monkeypatch, predictor, train):
-    model = build(seed=1)
+    model = build(seed=1, **BOUNDARY_CONFIGS.get(predictor, {}))
     if predictor == "content":
         monkeypatch.setattr(model.boundary_predictor, "forward", content_predictor)
     elif predictor == "every_byte":
         monkeypatch.setattr(model.boundary_predictor, "forward", constant_predictor(20.0))
-    for seed in range(3):
+    for seed in range(2):
         ids = sample_ids(seed)
         for u, before, after in causality_gaps(model, ids, train=train, seed=seed, positions=[0, 3, 11, 19, 26, 33, 39]):
             assert before < 1e-5, f"seed {seed}, u={u}: logits before u moved by {before}"
@@ -246,8 +260,9 @@ def test_halting_matches_reference():
 # ------------------------------------------------------------------------------ losses and aux
 
 
-def test_forward_losses_and_aux():
-    model = build()
+@pytest.mark.parametrize("config", ["cosine_ratio", "mlp_hinge_gumbel_act", "fixed"])
+def test_forward_losses_and_aux(config):
+    model = build(**BOUNDARY_CONFIGS[config])
     ids = sample_ids(0, B=3, T=48)
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = IGNORE_INDEX
@@ -256,7 +271,7 @@ def test_forward_losses_and_aux():
     a = model.args
     assert out.logits.shape == (3, 48, VOCAB_SIZE)
     for key in ("lm_loss", "moe_aux_loss", "boundary_loss", "ponder_loss", "bytes_per_segment",
-                "mean_loops", "loops_run", "expert_load_min", "expert_load_max"):
+                "mean_loops", "loops_run", "expert_load_min", "expert_load_max", "flops_per_byte"):
         assert out.aux[key].dim() == 0 and torch.isfinite(out.aux[key]), key
     want_aux = a.moe_aux_coeff * out.aux["moe_aux_loss"] + a.boundary_coeff * out.aux["boundary_loss"] \
         + a.ponder_coeff * out.aux["ponder_loss"]
@@ -343,7 +358,7 @@ def test_idle_expert_gets_zero_gradient():
 
 
 def test_more_loops_at_eval_change_the_output():
-    model = build().eval()
+    model = build(halting="act").eval()
     set_halt_bias(model, -30.0)  # no segment halts before the last loop
     ids = sample_ids(0)
     with torch.no_grad():
@@ -357,8 +372,19 @@ def test_more_loops_at_eval_change_the_output():
         model(ids, n_loops=model.args.max_loops + 1)
 
 
+def test_fixed_depth_runs_exactly_n_loops():
+    """halting = "none": eval runs exactly the n_loops asked for, and more loops change the output."""
+    model = build().eval()
+    ids = sample_ids(0)
+    with torch.no_grad():
+        outs = {n: model(ids, n_loops=n) for n in (1, 2, model.args.max_loops)}
+    for n, out in outs.items():
+        assert out.aux["loops_run"] == n and out.aux["mean_loops"] == n and out.aux["ponder_loss"] == 0
+    assert (outs[2].logits - outs[1].logits).abs().max() > 1e-5
+
+
 def test_early_exit_when_halting_saturates():
-    model = build()
+    model = build(halting="act")
     set_halt_bias(model, 30.0)  # every segment halts on the first loop
     ids = sample_ids(0)
     with torch.no_grad():
@@ -372,7 +398,7 @@ def test_early_exit_when_halting_saturates():
 
 
 def test_backward_reaches_boundary_predictor_through_ste():
-    model = build(boundary_coeff=0.0).train()  # only the straight-through path is left
+    model = build(boundary_coeff=0.0, boundary_ste=True).train()  # only the straight-through path is left
     ids = sample_ids(1)
     torch.manual_seed(0)
     out = model(ids, labels=torch.roll(ids, -1, dims=1))
@@ -407,7 +433,7 @@ def test_init_weights_sets_every_tensor():
 
 
 def test_module_names():
-    names = {n for n, _ in build().named_modules()}
+    names = {n for n, _ in build(halting="act").named_modules()}
     for want in ("embed_tokens", "prelude.layers.0", "boundary_predictor", "core.layers.1.engram",
                  "core.loop_embedding", "core.halt_predictor", "core.layers.0.moe.router",
                  "core.layers.0.moe.experts", "core.layers.0.attention.wq", "core.layers.0.attention.wo",
@@ -435,7 +461,7 @@ def test_keyed_noise_depends_on_the_sample_not_its_row():
     assert 0.0 < float(u.min()) and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005  # uniform moments
 
-    args = SPIDER_FLAVORS["debug"]
+    args = dataclasses.replace(SPIDER_FLAVORS["debug"], boundary_noise="gumbel")  # the only noise there is
     torch.manual_seed(0)
     model = Spider(args)
     model.init_weights()
@@ -446,4 +472,101 @@ def test_keyed_noise_depends_on_the_sample_not_its_row():
     alone = model(x[1:2], sample_ids=torch.tensor([11]))
     torch.testing.assert_close(alone.logits[0], both.logits[1], rtol=1e-5, atol=1e-5)
     other = model(x[1:2], sample_ids=torch.tensor([99]))
-    assert not torch.allclose(other.logits[0], both.logits[1])
+    assert (other.logits[0] - both.logits[1]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------- one boundary rule, pooling, objectives
+
+
+def test_train_and_eval_segment_with_one_rule(monkeypatch):
+    """boundary_noise = "none": training and eval call the same rule (p >= 0.5) on the same
+    probabilities, so a batch is segmented identically and, with fixed depth, gives the same logits."""
+    calls = []
+    real = spider_model.segment_bytes
+
+    def spy(*args, **kwargs):
+        seg = real(*args, **kwargs)
+        calls.append(seg.boundaries.clone())
+        return seg
+
+    monkeypatch.setattr(spider_model, "segment_bytes", spy)
+    model = build(seed=2)
+    ids = sample_ids(3, B=3, T=64)
+    with torch.no_grad():
+        tr = model.train()(ids, sample_ids=torch.arange(3))
+        ev = model.eval()(ids)
+    assert len(calls) == 2 and torch.equal(calls[0], calls[1])
+    assert 0 < calls[0].float().mean() < 1  # a real, ragged segmentation
+    torch.testing.assert_close(tr.aux["bytes_per_segment"], ev.aux["bytes_per_segment"])
+    torch.testing.assert_close(tr.logits, ev.logits)
+    # The old rule (Gumbel samples in training) segments differently, which is why it is not the default.
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    hard = [segment_bytes(logits, ids, training=t, temperature=0.5, max_segment_bytes=16).boundaries for t in (True, False)]
+    assert torch.equal(hard[0], hard[1])
+    noisy = segment_bytes(logits, ids, training=True, temperature=0.5, max_segment_bytes=16, noise="gumbel")
+    assert not torch.equal(noisy.boundaries, hard[1])
+
+
+def dense_pooling_reference(x, y, seg):
+    """The pre-2026-11-23 pooling: dense (B, S, T) / (B, T, S) matrices and bmm."""
+    S = seg.num_segments
+    member = seg.seg_id[:, None, :] == torch.arange(S)[None, :, None]
+    w = member.float() * (1.0 + seg.ste[:, None, :])
+    count = w.sum(dim=-1, keepdim=True)
+    w = w / torch.where(member.any(dim=-1, keepdim=True), count, torch.ones_like(count))
+    source = (seg.seg_id - 1)[:, :, None] == torch.arange(S)[None, None, :]
+    u = source.float() * (1.0 + seg.ste[:, :, None])
+    return torch.bmm(w, x), torch.bmm(u, y)
+
+
+def test_scatter_pooling_equals_dense_reference_with_gradients():
+    g = torch.Generator().manual_seed(4)
+    B, T, D = 3, 70, 16
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    ids[2, 50:] = PAD_ID
+    outs = []
+    for impl in ("scatter", "dense"):
+        logits = (torch.randn(B, T, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+        x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=6)
+        y = torch.randn(B, seg.num_segments, D, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        s, up = (downsample(x, seg), upsample(y, seg)) if impl == "scatter" else dense_pooling_reference(x, y, seg)
+        w = torch.randn(B, T, D, generator=torch.Generator().manual_seed(5))
+        ((s * s).sum() + (up * w).sum()).backward()
+        outs.append((s, up, logits.grad, x.grad, y.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert outs[0][2].abs().sum() > 0  # the STE gradient reaches the predictor's logits
+
+
+@pytest.mark.parametrize("kind", ["ratio", "hinge"])
+def test_boundary_objectives(kind):
+    """ratio: minimum 1 at F = G = 1/N and pushes p both ways; hinge: only penalises too many."""
+    from spider_titan.models.spider.flexitokens import boundary_loss
+
+    ids = torch.randint(0, 256, (1, 400), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for rate in (0.05, 0.5):  # too few / too many boundaries, with target 4 bytes per segment
+        logits = torch.full((1, 400), torch.logit(torch.tensor(rate)).item(), requires_grad=True)
+        decide = torch.rand(1, 400, generator=torch.Generator().manual_seed(1)) < rate
+        seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=400)
+        seg.boundaries = decide | seg.boundaries & ~seg.decided
+        loss = boundary_loss(seg, 4.0, kind)
+        loss.backward()
+        grads.append(logits.grad.sum().item())
+    if kind == "ratio":
+        assert grads[0] < 0 < grads[1]  # descending raises p when too few, lowers it when too many
+        seg.probs = torch.full((1, 400), 0.25)
+        seg.boundaries = torch.arange(400)[None] % 4 == 3
+        torch.testing.assert_close(boundary_loss(seg, 4.0, kind), torch.tensor(1.0))
+    else:
+        assert grads[0] == 0 < grads[1]
+
+
+def test_eval_variants():
+    from spider_titan.models.spider import SPIDER_SPEC
+
+    variants = SPIDER_SPEC.eval_variants(DEBUG)
+    assert variants == [("", {}), ("_loops1", {"n_loops": 1}), ("_loops2", {"n_loops": 2}), ("_loops4", {"n_loops": 4})]
+    big = dataclasses.replace(DEBUG, max_loops=8)
+    assert SPIDER_SPEC.eval_variants(big)[-1] == ("_loops8", {"n_loops": 8})

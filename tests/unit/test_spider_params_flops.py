@@ -29,7 +29,9 @@ def test_1b_parameter_count():
     assert abs(parts["total"] - 996e6) <= 0.01 * 996e6
     assert parts["total"] == sum(p.numel() for p in model.parameters())
     # MODEL.md's breakdown: 4 dense blocks 193 M, 6 core blocks 706 M, two engrams 75 M, LoRA 5 M, rest 14 M
-    for key, want in (("dense blocks", 193e6), ("core blocks", 706e6), ("engram", 75e6), ("lora", 5e6), ("rest", 14e6)):
+    # "rest" is 18 M, not MODEL.md's 14 M: the H-Net cosine boundary predictor (the default since
+    # 2026-11-23) has two dim x dim projections where the FlexiTokens MLP had one.
+    for key, want in (("dense blocks", 193e6), ("core blocks", 706e6), ("engram", 75e6), ("lora", 5e6), ("rest", 18e6)):
         assert abs(parts[key] - want) < 1e6, key
 
 
@@ -59,9 +61,41 @@ def _grouped_mm_ops() -> list:
     return ops
 
 
-def measured_train_flops(model: Spider, ids: torch.Tensor) -> tuple[float, dict]:
+def _causal_sdpa_flop(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
+    """CPU flash attention (fwd), which this CPU build's FlopCounterMode does not count: QK^T and
+    PV, causal-halved (the convention of both models' FLOPs helpers)."""
+    b, h, tq, d = q_shape
+    tk, dv = k_shape[-2], v_shape[-1]
+    return (2 * b * h * tq * tk * d + 2 * b * h * tq * tk * dv) // 2
+
+
+def _causal_sdpa_backward_flop(grad_shape, q_shape, k_shape, v_shape, *args, **kwargs) -> int:
+    """Its backward: dQ, dK, dV and dP, twice the forward's matmuls."""
+    return 2 * _causal_sdpa_flop(q_shape, k_shape, v_shape)
+
+
+def _causal_math_sdpa_bmm_flop(a_shape, b_shape, *args, **kwargs) -> int:
+    """MLA's query/key and value head widths differ, so CPU SDPA runs its math kernel: QK^T and
+    PV as full T x T bmm (masked afterwards). Spider has no other bmm (pooling is a scatter/gather,
+    LoRA is mm), so every bmm here is causal attention: count half, the helpers' convention."""
+    b, m, k = a_shape
+    return b * m * k * b_shape[-1]  # 2*b*m*k*n / 2
+
+
+def flop_counter(halve_bmm: bool = False) -> FlopCounterMode:
+    """FlopCounterMode plus what this CPU build does not count (grouped GEMM, CPU flash
+    attention), by formula; ``halve_bmm`` counts math-kernel attention causal-halved (Spider)."""
+    mapping = {op: _grouped_mm_flop for op in _grouped_mm_ops()}
+    if halve_bmm:
+        mapping[torch.ops.aten.bmm] = _causal_math_sdpa_bmm_flop
+    mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _causal_sdpa_flop
+    mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward] = _causal_sdpa_backward_flop
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
     model.train()
-    counter = FlopCounterMode(display=False, custom_mapping={op: _grouped_mm_flop for op in _grouped_mm_ops()})
+    counter = flop_counter(halve_bmm=isinstance(model, Spider))
     torch.manual_seed(0)
     with counter:
         out = model(ids, labels=torch.roll(ids, -1, dims=1))
@@ -70,14 +104,22 @@ def measured_train_flops(model: Spider, ids: torch.Tensor) -> tuple[float, dict]
 
 
 @pytest.mark.parametrize(
-    "T, n_loops, boundary",
-    [(256, None, None), (256, 4, None), (128, 3, 20.0), (192, 2, -20.0)],
-    ids=["default", "4_loops", "every_byte", "forced_only"],
+    "B, T, overrides, boundary",
+    [
+        (2, 256, {}, None),
+        (1, 256, {"n_loops": 4}, None),
+        (2, 128, {"boundary_predictor": "mlp", "boundary_noise": "gumbel", "boundary_standardize": False,
+                  "boundary_ste": True, "halting": "act", "n_loops": 3}, None),
+        (1, 128, {"boundary_predictor": "mlp", "boundary_standardize": False}, 20.0),
+        (1, 192, {"boundary_predictor": "mlp", "boundary_standardize": False}, -20.0),
+        (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
+    ],
+    ids=["default", "4_loops", "old_act_gumbel", "every_byte", "forced_only", "fixed_no_lora_no_engram"],
 )
-def test_flops_helper_matches_flop_counter(T, n_loops, boundary):
-    args = SPIDER_FLAVORS["debug"]
-    if n_loops is not None:
-        args = dataclasses.replace(args, n_loops=n_loops)
+def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):
+    """aux["flops_per_byte"] of a training forward (the step's real segment count and loops) agrees
+    with FlopCounterMode over forward + backward within 5 %."""
+    args = dataclasses.replace(SPIDER_FLAVORS["debug"], **overrides)
     with torch.device("meta"):
         model = Spider(args)
     model.to_empty(device="cpu")
@@ -87,12 +129,32 @@ def test_flops_helper_matches_flop_counter(T, n_loops, boundary):
         with torch.no_grad():
             model.boundary_predictor.out.weight.zero_()
             model.boundary_predictor.out.bias.fill_(boundary)
-    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
     measured, aux = measured_train_flops(model, ids)
-    bps, loops = aux["bytes_per_segment"].item(), aux["loops_run"].item()
-    predicted = spider_flops_per_byte(args, T, n_loops=loops, bytes_per_segment=bps) * T
-    print(f"\nT={T} loops={loops:.0f} bytes/segment={bps:.2f}: FlopCounterMode {measured / 1e9:.4f} GFLOP, "
-          f"helper {predicted / 1e9:.4f} GFLOP, ratio {predicted / measured:.4f}")
+    predicted = aux["flops_per_byte"].item() * B * T
+    print(f"\nB={B} T={T} loops={aux['loops_run'].item():.0f} bytes/segment={aux['bytes_per_segment'].item():.2f}: "
+          f"FlopCounterMode {measured / 1e9:.4f} GFLOP, aux {predicted / 1e9:.4f} GFLOP, ratio {predicted / measured:.4f}")
+    assert abs(predicted / measured - 1) < 0.05
+
+
+@pytest.mark.parametrize("T", [128, 512])
+def test_dense_flops_match_flop_counter(T):
+    """The dense baseline's formula, same convention (causal attention halved), within 5 %."""
+    from spider_titan.models.dense.model import (
+        DENSE_FLAVORS,
+        DenseModel,
+        dense_flops_per_token,
+    )
+
+    args = DENSE_FLAVORS["debug"]
+    torch.manual_seed(0)
+    model = DenseModel(args)
+    model.init_weights()
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    measured, _ = measured_train_flops(model, ids)
+    predicted = dense_flops_per_token(args, T) * 2 * T
+    print(f"\ndense T={T}: FlopCounterMode {measured / 1e9:.4f} GFLOP, formula {predicted / 1e9:.4f}, "
+          f"ratio {predicted / measured:.4f}")
     assert abs(predicted / measured - 1) < 0.05
 
 

@@ -139,7 +139,12 @@ class DenseModel(nn.Module):
 
 
 def dense_flops_per_token(args: DenseArgs, seq_len: int, **_) -> float:
-    """Training FLOPs (fwd + bwd = 3x forward) per token: 6 * matmul params + causal attention."""
+    """Training FLOPs (fwd + bwd = 3x forward) per token: 6 * matmul params + causal attention.
+
+    Causal attention is counted halved (QK^T and PV over ~T^2/2 unmasked pairs, what a causal
+    flash kernel computes): the convention of Spider's ``spider_flops_per_byte`` too, so the two
+    models' FLOPs compare like for like.
+    """
     hd = args.dim // args.n_heads
     per_layer = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + 3 * args.dim * args.inter_dim
     matmul_params = args.n_layers * per_layer + args.dim * VOCAB_SIZE

@@ -8,6 +8,7 @@ loader can report them together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -61,20 +62,50 @@ class SpiderArgs:
     """Rank of the per-loop LoRA adapters on the core blocks' ``wq`` and ``wo``."""
     act_epsilon: float = 0.01
     """ACT: a segment halts once its cumulative halting probability reaches 1 - act_epsilon."""
+    halting: Literal["none", "act"] = "none"
+    """How the core's loops are combined. ``none``: every segment runs all loops and the core
+    output is the last loop's state (fixed depth; ``mean_loops`` = loops run). ``act``: Graves'
+    adaptive halting (halting-weighted sum of the loop states, ponder loss, early exit at eval).
+    Measured on the built-in corpus (debug): ``act`` collapsed to ~1 loop within 130 steps while
+    training still paid for every loop, so ``none`` is the default (recurrence.py)."""
+    loop_lora: bool = True
+    """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their
+    weights exactly; an ablation)."""
 
-    # ---- FlexiTokens segmentation
+    # ---- segmentation (flexitokens.py)
     target_bytes_per_segment: float = 4.0
-    """Compression the boundary hinge loss aims at (penalises boundary rates above 1/target)."""
+    """Compression the boundary loss aims at (bytes per segment)."""
     max_segment_bytes: int = 16
     """A boundary is forced whenever a segment would grow past this many bytes."""
+    boundary_predictor: Literal["cosine", "mlp", "fixed"] = "cosine"
+    """``cosine``: H-Net routing, p_t = (1 - cos(q_t, k_{t-1})) / 2 of projected adjacent prelude
+    states; ``mlp``: FlexiTokens' Linear-GELU-Linear logit; ``fixed``: no predictor, a boundary
+    every round(target_bytes_per_segment) bytes (an ablation)."""
+    boundary_loss: Literal["ratio", "hinge"] = "ratio"
+    """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
+    FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
+    boundary_noise: Literal["none", "gumbel"] = "none"
+    """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
+    training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
+    differently in training and eval)."""
+    boundary_standardize: bool = True
+    """Standardise the predictor's score per row with running (causal) mean and variance and
+    compare it with a learned threshold (flexitokens.BoundaryPredictor): holds the boundary rate
+    against drifts of the score. False: the raw score's p >= 0.5 (H-Net's rule as published)."""
+    boundary_ste: bool = False
+    """True: the LM loss also trains the predictor (and, through it, the prelude) by the
+    straight-through segment index (flexitokens.py). False: the predictor reads the prelude
+    detached and only the boundary loss trains it. Measured (debug, 300 steps): the same val bpb
+    (3.022 without vs 3.024 with) and a steadier rate (training batches 3.4-4.6 bytes/segment
+    without, 4.3-7.9 with), so off by default."""
     boundary_temperature: float = 0.5
-    """Temperature of the relaxed-Bernoulli (Gumbel-sigmoid) boundary samples in training."""
+    """Temperature of the relaxed-Bernoulli (Gumbel-sigmoid) boundary samples (``boundary_noise = "gumbel"``)."""
 
     # ---- loss weights
     moe_aux_coeff: float = 0.01
     """Weight of the MoE load-balancing loss (mean over core blocks and loops of E * sum f_i P_i)."""
     boundary_coeff: float = 1.0
-    """Weight of the FlexiTokens boundary hinge loss."""
+    """Weight of the boundary loss (``boundary_loss``)."""
     ponder_coeff: float = 0.01
     """Weight of the ACT ponder loss (Graves' N + R, mean over real segments)."""
 
@@ -115,6 +146,19 @@ class SpiderArgs:
             out.append(f"engram_layers: {bad} are not core block indices 0..{self.n_core - 1}")
         if self.target_bytes_per_segment < 1.0:
             out.append(f"target_bytes_per_segment: {self.target_bytes_per_segment} must be >= 1")
+        for name, allowed in (
+            ("boundary_predictor", ("cosine", "mlp", "fixed")),
+            ("boundary_loss", ("ratio", "hinge")),
+            ("boundary_noise", ("none", "gumbel")),
+            ("halting", ("none", "act")),
+        ):
+            if getattr(self, name) not in allowed:
+                out.append(f"{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.boundary_loss == "ratio" and self.target_bytes_per_segment <= 1.0:
+            out.append(
+                f"target_bytes_per_segment: {self.target_bytes_per_segment} must be > 1 for boundary_loss = 'ratio' "
+                "(its N/(N-1) factor); use 'hinge' or a larger target"
+            )
         if self.boundary_temperature <= 0:
             out.append(f"boundary_temperature: {self.boundary_temperature} must be > 0")
         if not 0.0 <= self.act_epsilon < 1.0:

@@ -1,17 +1,21 @@
-"""FlexiTokens segmentation: learned byte boundaries, downsample to segments, causal upsample.
+"""Learned byte segmentation: boundary predictor, one boundary rule, downsample, causal upsample.
 
-References: FlexiTokens (arXiv 2507.12720) for the boundary predictor and hinge loss; Nawrot et
-al. 2023, "Efficient Transformers with Dynamic Token Pooling", for the pooling matrices and the
-causal shift.
+References: H-Net (Hwang, Wang, Gu, arXiv 2507.07955) for the cosine routing, the hard p >= 0.5
+rule and the ratio loss; FlexiTokens (arXiv 2507.12720) for the MLP predictor and hinge loss;
+Nawrot et al. 2023, "Efficient Transformers with Dynamic Token Pooling", for the pooling, the
+straight-through segment index and the causal shift.
 
 Conventions
 -----------
 * A boundary at byte t means "a segment ends at byte t". ``seg_id[t]`` (the segment holding
   byte t) is the number of boundaries strictly before t, so it never depends on byte t or later.
-* Predictor: ``BoundaryPredictor`` (Linear-GELU-Linear on the prelude output) gives a logit per
-  byte; ``p_t = sigmoid(logit)``. Training samples a relaxed Bernoulli (Gumbel-sigmoid,
-  ``soft = sigmoid((logit + log u - log(1-u)) / temperature)``) and hardens it at 0.5; eval uses
-  ``p_t > 0.5``.
+* Predictor (``BoundaryPredictor``, ``SpiderArgs.boundary_predictor``): a logit per byte,
+  ``p_t = sigmoid(logit)``; ``cosine`` (H-Net, default) or ``mlp`` (FlexiTokens), optionally
+  causally standardised against a learned threshold (``boundary_standardize``, default on).
+* One rule: a boundary where ``p_t >= 0.5``, the same function in training and eval
+  (``boundary_noise = "none"``, default). ``boundary_noise = "gumbel"`` keeps the old training
+  rule (harden a Gumbel-sigmoid sample ``sigmoid((logit + log u - log(1-u)) / temperature)``,
+  eval uses p), which segments differently in training and eval.
 * Forced boundaries (the predictor has no say there, so they carry no straight-through gradient):
   - at BOS and EOS (a document's BOS is its own one-byte segment, since the byte before it is an
     EOS or the start; EOS closes the last segment of a document);
@@ -28,23 +32,53 @@ Conventions
   A forced boundary at t (like any boundary at t) only moves bytes > t into a new segment, so
   none of this can leak information backwards.
 * Straight-through estimator: ``delta_t = soft_t - soft_t.detach()`` (value exactly 0, gradient of
-  the relaxed sample) at positions the predictor decided. Following Nawrot et al., the exclusive
-  cumulative sum ``c_t`` of ``delta`` stands for the (soft) segment index of byte t, and the
-  pooling matrices carry ``1 + c_t`` (value exactly 1) at byte t's entry, so gradients reach the
-  predictor through both the downsample and the upsample while the forward pass is exactly hard.
-* Downsample: ``s = W @ x`` with ``W (B, S, T)`` the row-normalised one-hot membership (a segment
-  is the mean of its bytes). Upsample: byte t reads the core output of segment ``seg_id[t] - 1``
-  (the last segment that ended strictly before t's segment; zero for the first segment) through
-  ``U (B, T, S)``. Dense bmm instead of scatter/gather: deterministic on every device, with a
-  cost of 2*S*dim FLOPs per byte each way (about 1 % of the 1B model's FLOPs at T=4096).
-* S, the largest segment count in the batch, is read back to the host once per forward; rows
-  with fewer segments are padded, and ``seg_valid``/``seg_real`` mark which segments exist / hold
-  real bytes.
+  p, or of the relaxed sample with Gumbel noise) at positions the predictor decided. Following
+  Nawrot et al., the exclusive cumulative sum ``c_t`` of ``delta`` stands for the (soft) segment
+  index of byte t, and the pooling weights carry ``1 + c_t`` (value exactly 1) at byte t, so
+  gradients reach the predictor through both the downsample and the upsample while the forward
+  pass is exactly hard.
+* Objective (``boundary_loss``): H-Net's two-sided ratio loss (default) or the FlexiTokens hinge.
+* Downsample: a segment is the mean of its bytes, by a scatter-add of the weighted byte states
+  into their segment (O(T * dim) memory; the (B, S, T) matrix of the first version is gone and a
+  test checks values and gradients against it within 1e-6). Upsample: byte t reads the core output
+  of segment ``seg_id[t] - 1`` (the last segment that ended strictly before t's segment; zero for
+  the first segment) by a gather. On CUDA scatter-add uses atomics, so the last bits of the
+  pooled sums may vary from run to run unless ``torch.use_deterministic_algorithms`` is on.
+* S, the largest segment count in the batch, is read back to the host once per forward (the one
+  host sync); rows with fewer segments are padded, and ``seg_valid``/``seg_real`` mark which
+  segments exist / hold real bytes.
+
+Measured (2026-11-23, debug flavor, built-in corpus, 300 steps of batch 8 x 256, AdamW 3e-3,
+2 loops, target 4 bytes/segment; val bpb and eval bytes/segment on the first 24 val batches;
+"train" is the range of single-batch bytes/segment over steps 100-300):
+
+============================================================  =======  ==========  ===========
+predictor / rule / objective                                  val bpb  eval b/seg  train b/seg
+============================================================  =======  ==========  ===========
+mlp, Gumbel in training, hinge (+ ACT): the old default         2.969        15.7  13-16 (cap)
+mlp, p >= 0.5, ratio                                            (bang-bang 3 <-> 16, stopped)
+cosine, p >= 0.5, ratio, STE                                    3.377         9.8      3.0-8.6
+  same, boundary_coeff 10                                       3.119         2.5      2.5-5.3
+cosine, standardised, ratio, STE                                3.024         3.8      4.3-7.9
+cosine, standardised, ratio, no STE (default)                   3.022         3.7      3.4-4.6
+  same, max_segment_bytes 8                                     3.015         3.9      4.3-5.1
+fixed 4-byte segments (``boundary_predictor = "fixed"``)        2.833         4.0          4.0
+============================================================  =======  ==========  ===========
+
+So: the hinge collapses; the plain hard rule with the ratio loss holds the rate only on average
+(AdamW moves the score's offset faster than the loss corrects it, and a hard threshold turns that
+into swings of the rate); the causal standardisation holds it; the LM's straight-through gradient
+buys nothing measurable at this scale and makes the rate noisier (``boundary_ste``). Learned
+segments still lose to fixed 4-byte segments by ~0.19 bpb here, and by 0.17 bpb at 1e13 FLOPs
+(docs/benchmarks.md, "Quality at equal training FLOPs"). Tried and not adopted: deciding "a
+segment ends at t-1" from the dissimilarity at t (H-Net's "a chunk starts at t", also causal
+because the upsample shifts by a whole segment): 2.997 vs 3.022, a small gain, not the gap.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -54,24 +88,81 @@ from torch import nn
 from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID
 
 
-class BoundaryPredictor(nn.Module):
-    """``forward(h (B, T, dim)) -> logits (B, T)`` fp32: "a segment ends at this byte"."""
+def causal_standardize(x: torch.Tensor, eps: float = 1e-2) -> torch.Tensor:
+    """(B, T) -> (B, T): ``(x_t - mean_{s<=t} x_s) / sqrt(var_{s<=t} x_s + eps)`` per row.
 
-    def __init__(self, dim: int):
+    Running statistics over the row's bytes up to and including t (prefix sums, O(T)), so z_t
+    depends on bytes <= t only: causal like the logit itself. Computed in fp32.
+    """
+    x = x.float()
+    n = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=torch.float32)
+    mean = torch.cumsum(x, dim=1) / n
+    var = (torch.cumsum(x * x, dim=1) / n - mean * mean).clamp(min=0.0)
+    return (x - mean) / torch.sqrt(var + eps)
+
+
+class BoundaryPredictor(nn.Module):
+    """``forward(h (B, T, dim)) -> logits (B, T)`` fp32: "a segment ends at this byte" when
+    ``logit >= 0`` (i.e. p >= 0.5).
+
+    Raw score ``r_t``:
+    * ``kind = "cosine"`` (H-Net routing, arXiv 2507.07955): ``q = q_proj(h)``, ``k = k_proj(h)``,
+      ``r_t = logit((1 - cos(q_t, k_{t-1})) / 2)`` (``k_{-1} = 0``). A boundary at t thus means
+      "byte t differs from byte t-1, close the segment at t" (H-Net starts a new chunk at t
+      instead; our convention keeps the decision at t a function of bytes <= t). ``q_proj`` and
+      ``k_proj`` start at the identity, as in H-Net.
+    * ``kind = "mlp"`` (FlexiTokens): ``r_t = out(gelu(proj(h)))``, output bias ``logit(1/target)``.
+
+    ``standardize`` (``SpiderArgs.boundary_standardize``): the logit is
+    ``sharpness * (causal_standardize(r)_t - threshold)`` with ``threshold`` a learned scalar that
+    starts at the standard-normal quantile ``Phi^-1(1 - 1/target)`` (so a Gaussian score gives the
+    target rate from the first step). The per-row running standardisation makes the boundary rate
+    insensitive to drifts of the score's offset and scale (the prelude and the projections move
+    every step), which is what made the plain rule oscillate; the predictor learns *where* to cut
+    (the ranking of bytes, from the LM's straight-through gradient), the ratio loss tunes
+    ``threshold`` and the score's shape so that *how often* stays at the target.
+    """
+
+    def __init__(self, dim: int, kind: str = "cosine", standardize: bool = True, sharpness: float = 2.0):
         super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, 1)
+        self.kind = kind
+        self.standardize = standardize
+        self.sharpness = sharpness
+        if kind == "mlp":
+            self.proj = nn.Linear(dim, dim)
+            self.out = nn.Linear(dim, 1)
+        else:
+            self.q_proj = nn.Linear(dim, dim, bias=False)
+            self.k_proj = nn.Linear(dim, dim, bias=False)
+        # shape (1,), not a scalar: FSDP2's fully_shard cannot shard 0-d parameters
+        self.threshold = nn.Parameter(torch.empty(1)) if standardize else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.out(F.gelu(self.proj(h))).squeeze(-1).float()
+        if self.kind == "mlp":
+            r = self.out(F.gelu(self.proj(h))).squeeze(-1).float()
+        else:
+            q = self.q_proj(h).float()
+            k = F.pad(self.k_proj(h).float()[:, :-1], (0, 0, 1, 0))  # (B, T, dim), k_{t-1}
+            p = ((1.0 - F.cosine_similarity(q, k, dim=-1, eps=1e-6)) / 2.0).clamp(1e-6, 1.0 - 1e-6)
+            r = torch.log(p) - torch.log1p(-p)
+        if self.threshold is None:
+            return r
+        return self.sharpness * (causal_standardize(r) - self.threshold)
 
     def init_weights(self, init_std: float, target_bytes_per_segment: float) -> None:
-        """Small weights, and an output bias that starts the boundary rate at 1/target."""
-        nn.init.trunc_normal_(self.proj.weight, std=init_std)
-        nn.init.zeros_(self.proj.bias)
-        nn.init.trunc_normal_(self.out.weight, std=init_std)
+        """mlp: small weights and an output bias that starts the boundary rate at 1/target;
+        cosine: identity projections (H-Net); threshold: Phi^-1(1 - 1/target)."""
         rate = min(1.0 / target_bytes_per_segment, 1.0 - 1e-6)
-        nn.init.constant_(self.out.bias, math.log(rate / (1.0 - rate)))
+        if self.kind == "mlp":
+            nn.init.trunc_normal_(self.proj.weight, std=init_std)
+            nn.init.zeros_(self.proj.bias)
+            nn.init.trunc_normal_(self.out.weight, std=init_std)
+            nn.init.constant_(self.out.bias, math.log(rate / (1.0 - rate)))
+        else:
+            nn.init.eye_(self.q_proj.weight)
+            nn.init.eye_(self.k_proj.weight)
+        if self.threshold is not None:
+            nn.init.constant_(self.threshold, statistics.NormalDist().inv_cdf(max(1.0 - rate, 1e-6)))
 
 
 @dataclass
@@ -84,6 +175,7 @@ class Segmentation:
     ste:           (B, T) fp32, value 0; carries the straight-through gradient of the soft segment index
     probs:         (B, T) fp32, predictor probabilities p_t (no noise)
     decided:       (B, T) bool, positions whose boundary the predictor chose (not forced by specials)
+    real_bytes:    (B, T) bool, the byte is not PAD
     ends:          (B, S) int64, last byte of each segment (arbitrary for missing segments)
     seg_valid:     (B, S) bool, the segment exists in that row
     seg_real:      (B, S) bool, the segment exists and holds real (non-PAD) bytes
@@ -96,6 +188,7 @@ class Segmentation:
     ste: torch.Tensor
     probs: torch.Tensor
     decided: torch.Tensor
+    real_bytes: torch.Tensor
     ends: torch.Tensor
     seg_valid: torch.Tensor
     seg_real: torch.Tensor
@@ -150,16 +243,21 @@ def segment_bytes(
     temperature: float,
     max_segment_bytes: int,
     noise_keys: torch.Tensor | None = None,
+    noise: str = "none",
+    ste: bool = True,
 ) -> Segmentation:
     """Boundaries from predictor ``logits (B, T)`` and the bytes, with forced boundaries and STE.
 
-    Training noise comes from ``keyed_uniform(noise_keys)`` when keys are given (one per row),
-    else from torch's global RNG.
+    The rule is ``soft_t >= 0.5`` with ``soft = p`` (``noise = "none"``: the same function in
+    training and eval). ``ste = False`` leaves the straight-through term out (value and
+    gradient 0). With ``noise = "gumbel"`` training hardens a Gumbel-sigmoid sample
+    instead; its noise comes from ``keyed_uniform(noise_keys)`` when keys are given (one per
+    row), else from torch's global RNG.
     """
     B, T = input_ids.shape
     device = input_ids.device
     probs = torch.sigmoid(logits)
-    if training:
+    if training and noise == "gumbel":
         if noise_keys is not None:
             u = keyed_uniform(noise_keys, T).to(logits.dtype)
         else:
@@ -173,7 +271,7 @@ def segment_bytes(
     next_pad = F.pad(is_pad[:, 1:], (0, 1), value=False)
     special = (input_ids == BOS_ID) | (input_ids == EOS_ID) | (is_pad != next_pad)
     special[:, -1] = True
-    base = ((soft > 0.5) & ~is_pad) | special
+    base = ((soft >= 0.5) & ~is_pad) | special
 
     # Length cap: every max_segment_bytes-th byte after the previous boundary.
     idx = torch.arange(T, device=device)
@@ -182,7 +280,7 @@ def segment_bytes(
     boundaries = base | capped
 
     decided = ~special & ~is_pad
-    delta = torch.where(decided & ~capped, soft - soft.detach(), torch.zeros_like(soft))
+    delta = torch.where(decided & ~capped & ste, soft - soft.detach(), torch.zeros_like(soft))
     ste = _exclusive_cumsum(delta)
 
     seg_id = _exclusive_cumsum(boundaries.long())
@@ -200,6 +298,7 @@ def segment_bytes(
         ste=ste,
         probs=probs,
         decided=decided,
+        real_bytes=~is_pad,
         ends=ends,
         seg_valid=seg_valid,
         seg_real=seg_real,
@@ -208,31 +307,52 @@ def segment_bytes(
 
 
 def downsample(x: torch.Tensor, seg: Segmentation) -> torch.Tensor:
-    """x (B, T, dim) -> s (B, S, dim): each segment is the mean of its bytes (zero for missing ones)."""
-    S = seg.num_segments
-    member = seg.seg_id[:, None, :] == torch.arange(S, device=x.device)[None, :, None]  # (B, S, T)
-    w = member.float() * (1.0 + seg.ste[:, None, :])  # value = membership, gradient via the STE
-    count = w.sum(dim=-1, keepdim=True)  # (B, S, 1)
-    w = w / torch.where(member.any(dim=-1, keepdim=True), count, torch.ones_like(count))
-    return torch.bmm(w.to(x.dtype), x)
+    """x (B, T, dim) -> s (B, S, dim): each segment is the mean of its bytes (zero for missing ones).
+
+    ``index_add``-style scatter of the bytes' weighted states into their segments: O(T * dim)
+    memory (no (B, S, T) matrix). Byte weights ``1 + ste`` are exactly 1 in value and carry the
+    straight-through gradient; the mean divides by the summed weights (value = byte count).
+    """
+    B, T, D = x.shape
+    w = 1.0 + seg.ste  # (B, T) fp32, value 1
+    index = seg.seg_id.unsqueeze(-1).expand(B, T, D)
+    num = x.new_zeros(B, seg.num_segments, D, dtype=torch.float32).scatter_add(1, index, x.float() * w.unsqueeze(-1))
+    den = w.new_zeros(B, seg.num_segments).scatter_add(1, seg.seg_id, w)  # (B, S)
+    den = torch.where(seg.seg_valid, den, torch.ones_like(den))
+    return (num / den.unsqueeze(-1)).to(x.dtype)
 
 
 def upsample(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
-    """y (B, S, dim) -> (B, T, dim): byte t gets y of segment ``seg_id[t] - 1`` (zero for segment 0)."""
-    S = seg.num_segments
-    source = (seg.seg_id - 1)[:, :, None] == torch.arange(S, device=y.device)[None, None, :]  # (B, T, S)
-    u = source.float() * (1.0 + seg.ste[:, :, None])
-    return torch.bmm(u.to(y.dtype), y)
+    """y (B, S, dim) -> (B, T, dim): byte t gets y of segment ``seg_id[t] - 1`` (zero for segment 0).
+
+    A gather (O(T * dim)), scaled by ``1 + ste`` (value 1, the straight-through gradient).
+    """
+    B, T = seg.seg_id.shape
+    D = y.shape[-1]
+    src = (seg.seg_id - 1).clamp(min=0).unsqueeze(-1).expand(B, T, D)
+    scale = torch.where(seg.seg_id > 0, 1.0 + seg.ste, torch.zeros_like(seg.ste))  # (B, T)
+    return y.gather(1, src) * scale.unsqueeze(-1).to(y.dtype)
 
 
-def boundary_loss(seg: Segmentation, target_bytes_per_segment: float) -> torch.Tensor:
-    """FlexiTokens hinge: mean over rows of relu(rate - 1/target).
+def boundary_loss(seg: Segmentation, target_bytes_per_segment: float, kind: str = "ratio") -> torch.Tensor:
+    """The boundary objective, a mean over rows (``kind`` is ``SpiderArgs.boundary_loss``).
 
-    ``rate`` is the mean predictor probability p_t over the positions it decides (real bytes
-    that are not BOS/EOS or next to a PAD run): the expected boundary rate, smooth in the
-    predictor's parameters. It only penalises too many boundaries, leaving the model free to
-    compress more than the target.
+    ``G`` is the mean predictor probability p_t over the positions it decides (real bytes that
+    are not BOS/EOS or next to a PAD run): smooth in the predictor's parameters.
+
+    * ``hinge`` (FlexiTokens): ``relu(G - 1/N)``. It only penalises too many boundaries; measured
+      (2026-11-23, debug, built-in corpus) the segments then grow to the ``max_segment_bytes`` cap.
+    * ``ratio`` (H-Net): ``N/(N-1) * ((N-1) F G + (1-F)(1-G))`` with ``F`` the fraction of real
+      bytes that end a segment (hard, forced boundaries included, no gradient) and N the target
+      bytes per segment. Its gradient in G is ``N/(N-1) (N F - 1)``: it lowers p while F > 1/N and
+      raises it while F < 1/N, so it holds the compression at N from both sides (minimum 1 at
+      F = G = 1/N).
     """
     m = seg.decided.float()
-    rate = (seg.probs * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
-    return torch.relu(rate - 1.0 / target_bytes_per_segment).mean()
+    G = (seg.probs * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+    N = target_bytes_per_segment
+    if kind == "hinge":
+        return torch.relu(G - 1.0 / N).mean()
+    real = seg.real_bytes.float()
+    F_ = ((seg.boundaries.float() * real).sum(dim=1) / real.sum(dim=1).clamp(min=1.0)).detach()
+    return (N / (N - 1.0) * ((N - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))).mean()

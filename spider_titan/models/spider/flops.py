@@ -2,15 +2,17 @@
 
 Counts matrix multiplies only (2 FLOPs per multiply-add), the way
 ``torch.utils.flop_counter.FlopCounterMode`` does, and training = 3 x forward (every matmul's
-input and weight need a gradient). Attention is counted without the causal halving
-(``FlopCounterMode``'s SDPA convention): QK^T and PV over the full context.
+input and weight need a gradient). Causal attention is counted HALVED (QK^T and PV over the
+T*(T+1)/2 ~ T^2/2 unmasked pairs, what a causal flash kernel computes), the same convention as
+``dense_flops_per_token``, so the two models' FLOPs compare like for like. (FlopCounterMode counts
+SDPA over the full T^2, and not at all for CPU flash attention; the test adds SDPA by this
+formula.) The segment pooling is a scatter/gather, no matmul, so it is not counted.
 
 The core runs on segments, so its cost per byte scales with ``n_loops / bytes_per_segment``;
-both are inputs (defaults: the args' ``n_loops`` and ``target_bytes_per_segment``). For a
-measured value pass ``aux["loops_run"]`` (loops actually computed, which is ``n_loops`` in
-training) and ``aux["bytes_per_segment"]`` of a forward. The segment count is taken as
-``seq_len / bytes_per_segment`` (rows padded to the batch's largest segment count cost a little
-more).
+both are inputs (defaults: the args' ``n_loops`` and ``target_bytes_per_segment``, a planning
+estimate). The honest number for a step is ``aux["flops_per_byte"]`` of its training forward,
+computed with ``n_loops = loops_run`` and ``bytes_per_segment = T / S``, S being the batch's
+largest segment count: the core runs on (B, S) segments, padding included.
 """
 
 from __future__ import annotations
@@ -38,25 +40,27 @@ def spider_flops_breakdown(
         + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim)) + mm(H * a.v_head_dim, d)
     )
 
-    def attn_scores(context: float) -> float:  # per query: QK^T and PV
-        return mm(qk, context) * H + mm(context, a.v_head_dim) * H
+    def attn_scores(context: float) -> float:  # per query, causal-halved: QK^T and PV
+        return (mm(qk, context) * H + mm(context, a.v_head_dim) * H) / 2
 
     n_bytes_blocks = a.n_prelude + a.n_coda
     per_segment_loop = {  # one segment through one loop of the core
         "core_attention_proj": a.n_core * attn_proj,
         "core_attention_scores": a.n_core * attn_scores(S),
         "core_lora": a.n_core * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk)
-                                 + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d)),
+                                 + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d)) * a.loop_lora,
         "moe_router": a.n_core * mm(d, a.n_experts),
         "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim),
         "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d),
-        "act_halting": mm(d, 1),
+        "act_halting": mm(d, 1) * (a.halting == "act"),
     }
     fwd = {
         "byte_blocks": n_bytes_blocks * (attn_proj + 3 * mm(d, a.inter_dim)),
         "byte_attention_scores": n_bytes_blocks * attn_scores(T),
-        "boundary_predictor": mm(d, d) + mm(d, 1),
-        "pooling": 2 * mm(S, d),  # downsample (B,S,T)@(B,T,d) and upsample (B,T,S)@(B,S,d)
+        # Without the straight-through path the predictor reads the prelude detached: its backward
+        # computes weight gradients only (2x forward instead of 3x in total).
+        "boundary_predictor": {"mlp": mm(d, d) + mm(d, 1), "cosine": 2 * mm(d, d), "fixed": 0.0}[a.boundary_predictor]
+        * (1.0 if a.boundary_ste else 2.0 / 3.0),
         "inject_up_proj": 2 * mm(d, d) / bps,  # once per segment each
         **{k: v * loops / bps for k, v in per_segment_loop.items()},
         "lm_head": mm(d, VOCAB_SIZE),

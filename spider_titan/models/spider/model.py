@@ -3,8 +3,9 @@
 ``forward(input_ids (B, T), labels (B, T) | None, n_loops | None) -> SpiderOutput``:
 
 1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
-2. ``boundary_predictor`` + forced boundaries -> segments (flexitokens.py)
-3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks with ACT, recurrence.py), on
+2. ``boundary_predictor`` + forced boundaries -> segments, by one rule in training and eval
+   (flexitokens.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead)
+3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on
    ``(B, S, dim)`` with a segment mask; Engram bucket ids hashed from the bytes (engram.py)
 4. ``up_proj`` on the core output, causal ``upsample`` (byte t reads the segment that ended
    before its own), added to the prelude residual
@@ -14,8 +15,17 @@ Losses: ``loss = lm_loss + aux_loss`` with ``aux_loss = moe_aux_coeff * moe_aux_
 boundary_coeff * boundary_loss + ponder_coeff * ponder_loss`` (always computed, with or without
 labels). Labels equal to PAD are ignored like -100.
 
-Host syncs: one per forward (the largest segment count S); at eval one more per loop for the
-early exit.
+``n_loops`` (eval-time override, 1..max_loops): with ``halting = "none"`` (default) the core runs
+exactly that many loops; with ``halting = "act"`` at most that many (eval stops early once every
+segment has halted).
+
+``aux["flops_per_byte"]``: training FLOPs (fwd + bwd) per input byte of this very forward, from
+the core's actual segment count S (padding segments included) and ``loops_run``
+(``spider_flops_per_byte``, causal attention counted halved like the dense baseline); a
+detached scalar made from host ints, so it costs no extra sync.
+
+Host syncs: one per forward (the largest segment count S); with ACT at eval one more per loop
+for the early exit.
 
 Initialisation (``init_weights()``, after ``to_empty``; there are no buffers: RoPE tables are
 computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
@@ -27,7 +37,8 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
 * ``lm_head`` trunc-normal ``dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
   bias (``logit(1/target_bytes_per_segment)``) and the halting bias (recurrence.py);
 * zero: LoRA B matrices, ``loop_embedding``, Engram tables (MODEL.md); LoRA A N(0, 1/in_features);
-  ``decay_lambda`` 0 (a = 1/2).
+  ``decay_lambda`` 0 (a = 1/2); cosine boundary projections: identity (H-Net); boundary
+  threshold: Phi^-1(1 - 1/target).
 """
 
 from __future__ import annotations
@@ -67,9 +78,10 @@ from spider_titan.models.spider.recurrence import RecurrentCore
 class SpiderOutput(ModelOutput):
     """``ModelOutput`` of Spider. ``aux`` holds detached scalars: ``lm_loss`` (with labels),
     ``moe_aux_loss``, ``boundary_loss``, ``ponder_loss``, ``bytes_per_segment`` (real bytes per
-    real segment over the batch), ``mean_loops`` (mean ACT halting loop over real segments),
-    ``loops_run`` (core loops computed: what the FLOPs depend on), ``expert_load_min`` and
-    ``expert_load_max`` (fractions of routed slots over all MoE layers and loops)."""
+    real segment over the batch), ``mean_loops`` (mean ACT halting loop over real segments;
+    ``loops_run`` with fixed depth), ``loops_run`` (core loops computed: what the FLOPs depend on),
+    ``expert_load_min`` and ``expert_load_max`` (fractions of routed slots over all MoE layers and
+    loops), ``flops_per_byte`` (training FLOPs per input byte of this forward's segmentation)."""
 
 
 class ByteStack(nn.Module):
@@ -103,7 +115,11 @@ class Spider(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
         self.prelude = ByteStack(args, args.n_prelude)
-        self.boundary_predictor = BoundaryPredictor(args.dim)
+        self.boundary_predictor = (
+            None
+            if args.boundary_predictor == "fixed"
+            else BoundaryPredictor(args.dim, args.boundary_predictor, standardize=args.boundary_standardize)
+        )
         self.core = RecurrentCore(args)
         self.up_proj = nn.Linear(args.dim, args.dim, bias=False)
         self.coda = ByteStack(args, args.n_coda)
@@ -118,7 +134,8 @@ class Spider(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
         for block in list(self.prelude.layers) + list(self.coda.layers):
             block.init_weights(init_std, out_std)
-        self.boundary_predictor.init_weights(init_std, a.target_bytes_per_segment)
+        if self.boundary_predictor is not None:
+            self.boundary_predictor.init_weights(init_std, a.target_bytes_per_segment)
         self.core.init_weights(init_std, out_std)
         nn.init.trunc_normal_(self.up_proj.weight, std=out_std)
         self.norm.reset_parameters()
@@ -145,13 +162,21 @@ class Spider(nn.Module):
         freqs = rope_frequencies(a.qk_rope_head_dim, T, a.rope_theta, device=device)  # (T, rope/2, 2)
 
         x = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
+        if self.boundary_predictor is None:  # fixed-size segments: only the (shortened) length cap cuts
+            logits = x.new_full((B, T), -30.0, dtype=torch.float32)
+            cap = max(1, min(a.max_segment_bytes, round(a.target_bytes_per_segment)))
+        else:
+            logits = self.boundary_predictor(x if a.boundary_ste else x.detach())
+            cap = a.max_segment_bytes
         seg = segment_bytes(
-            self.boundary_predictor(x),
+            logits,
             input_ids,
             training=self.training,
             temperature=a.boundary_temperature,
-            max_segment_bytes=a.max_segment_bytes,
+            max_segment_bytes=cap,
             noise_keys=sample_ids,
+            noise=a.boundary_noise,
+            ste=a.boundary_ste,
         )
         S = seg.num_segments
         core = self.core(
@@ -166,7 +191,10 @@ class Spider(nn.Module):
         x = x + upsample(self.up_proj(core.output), seg)  # (B, T, dim)
         logits = self.lm_head(self.norm(self.coda(x, freqs)))  # (B, T, VOCAB_SIZE)
 
-        b_loss = boundary_loss(seg, a.target_bytes_per_segment)
+        if self.boundary_predictor is None:
+            b_loss = x.new_zeros((), dtype=torch.float32)
+        else:
+            b_loss = boundary_loss(seg, a.target_bytes_per_segment, a.boundary_loss)
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss + a.ponder_coeff * core.ponder_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
         real_bytes = (input_ids != PAD_ID).sum().float()
@@ -179,6 +207,10 @@ class Spider(nn.Module):
             "loops_run": torch.full((), float(core.loops_run), device=device),
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
+            # From the host ints S and loops_run: the core's actual (padded) work, no extra sync.
+            "flops_per_byte": torch.full(
+                (), spider_flops_per_byte(a, T, n_loops=core.loops_run, bytes_per_segment=T / S), device=device
+            ),
         }
         loss = None
         if labels is not None:
@@ -207,6 +239,17 @@ def parameter_breakdown(model: Spider) -> dict[str, int]:
     return parts
 
 
+def spider_eval_variants(args: SpiderArgs) -> list[tuple[str, dict]]:
+    """Validation passes (``ModelSpec.eval_variants``): the default, then eval loop counts 1, 2, 4
+    and ``max_loops`` (test-time compute), deduplicated and capped at ``max_loops``."""
+    out, seen = [("", {})], set()
+    for n in (1, 2, 4, args.max_loops):
+        if n <= args.max_loops and n not in seen:
+            seen.add(n)
+            out.append((f"_loops{n}", {"n_loops": n}))
+    return out
+
+
 SPIDER_SPEC = ModelSpec(
     name="spider",
     args_cls=SpiderArgs,
@@ -215,4 +258,5 @@ SPIDER_SPEC = ModelSpec(
     block_containers=("prelude.layers", "core.layers", "coda.layers"),
     flops_per_token=spider_flops_per_byte,
     recurrent_containers=("core.layers",),
+    eval_variants=spider_eval_variants,
 )

@@ -10,10 +10,14 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h
    ``decay_lambda`` starts at 0, i.e. ``a = 1/2``: each loop keeps half of the previous state.
 2. ``h = h + loop_embedding[i]`` (zero-initialised).
 3. Each core block j: ``h += attn(attention_norm(h))`` (MLA, causal over segments, RoPE by segment
-   index, loop i's LoRA on ``wq``/``wo``); Engram at the blocks in ``engram_layers``
+   index, loop i's LoRA on ``wq``/``wo`` unless ``loop_lora = false``); Engram at the blocks in ``engram_layers``
    (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
    token mask (padding segments are computed but left out of the load statistics).
-4. ACT: the loop's state is ``y_i = norm(h)`` (an RMSNorm so the output scale does not grow with
+4. ``halting = "none"`` (default): no halting; the core output is ``norm(h)`` after the last
+   loop, every segment runs every loop (``mean_loops`` = ``loops_run`` = n_loops, no compute is
+   spent on halted segments because none halt, ``ponder_loss`` = 0). At eval ``n_loops`` runs
+   exactly that many loops (1 .. max_loops).
+   ``halting = "act"``: the loop's state is ``y_i = norm(h)`` (an RMSNorm so the output scale does not grow with
    the loop count), ``p_i = sigmoid(halt_predictor(y_i))``. A running segment halts at loop i
    when ``cum + p_i >= 1 - act_epsilon`` or at the last loop; its weight there is the remainder
    ``R = 1 - cum``, before that ``p_i``, after that 0. The core output is ``sum_i w_i y_i`` (fp32
@@ -21,8 +25,23 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h
    flows through R) averaged over real segments. Halted segments keep being updated (later
    segments still attend to them) but their output is frozen, so how long the batch keeps
    looping never changes an already-halted segment's output.
-5. Eval only: after a loop in which every existing segment has halted, stop (one host sync per
-   loop). ``n_loops`` may go up to ``max_loops`` at eval (test-time compute).
+5. ACT, eval only: after a loop in which every existing segment has halted, stop (one host sync
+   per loop). ``n_loops`` may go up to ``max_loops`` at eval (test-time compute). Halted segments
+   are still computed until the whole batch halts (their output is frozen); that cost is counted
+   in ``aux["flops_per_byte"]`` (loops_run), never hidden.
+
+Why fixed depth by default (measured 2026-11-23, debug, built-in corpus): with ACT the ponder
+cost drove ``mean_loops`` to ~1.05 within ~130 steps (the halting unit learned to stop after one
+loop) while training still paid for every loop; the second loop was then nearly unused.
+Measured (debug, 300 steps, first 24 val batches, val bpb at eval n_loops 1 / 2 / 4): old ACT
+2.969 / 2.969 / 2.969 (mean_loops 1.05: the loops did nothing); fixed depth 2 with learned
+segments 3.029 / 3.024 / 3.026, with fixed segments 2.835 / 2.833 / 2.833: two loops beat one,
+but by little, and more loops than trained do not help (Geiping et al.'s sampled loop counts
+would be the next thing to try for test-time depth). At 1e13 training FLOPs (docs/benchmarks.md,
+whole val split): 2.069 / 2.059 / 2.063 at eval n_loops 1 / 2 / 4, mean_loops 2.00; but a model
+trained with one loop reaches 2.013 at 9.6e12 FLOPs: at the debug size the second loop does not
+pay for its FLOPs. Fixed depth 2 stays the default because the recurrent core is the design under
+study; ``n_loops = 1`` is the cheaper choice at this size.
 
 Reported: ``mean_loops`` = mean halting loop N over real segments (the ACT depth the segments
 used); ``loops_run`` = loops actually computed (``n_loops`` in training, fewer at eval after an
@@ -48,6 +67,12 @@ from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import Engram
 
 
+def _at(weights: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
+    """``weights[loop]`` for a 0-dim int64 ``loop`` tensor, as a gather: torch.compile traces it
+    without reading the index on the host (plain indexing would, or would specialise on it)."""
+    return weights.index_select(0, loop.reshape(1)).squeeze(0)
+
+
 class LoopLoRA(nn.Module):
     """Rank-r adapters on a core block's ``wq`` and ``wo``, one pair per loop index < max_loops.
 
@@ -64,11 +89,11 @@ class LoopLoRA(nn.Module):
         self.wo_a = nn.Parameter(torch.empty(max_loops, o_in, rank))
         self.wo_b = nn.Parameter(torch.empty(max_loops, rank, dim))
 
-    def q_delta(self, x: torch.Tensor, loop: int) -> torch.Tensor:
-        return (x @ self.wq_a[loop].to(x.dtype)) @ self.wq_b[loop].to(x.dtype)
+    def q_delta(self, x: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
+        return (x @ _at(self.wq_a, loop).to(x.dtype)) @ _at(self.wq_b, loop).to(x.dtype)
 
-    def o_delta(self, x: torch.Tensor, loop: int) -> torch.Tensor:
-        return (x @ self.wo_a[loop].to(x.dtype)) @ self.wo_b[loop].to(x.dtype)
+    def o_delta(self, x: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
+        return (x @ _at(self.wo_a, loop).to(x.dtype)) @ _at(self.wo_b, loop).to(x.dtype)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.wq_a, std=self.wq_a.shape[1] ** -0.5)
@@ -93,12 +118,16 @@ class CoreBlock(nn.Module):
             args.dim, args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
             args.v_head_dim, args.norm_eps,
         )
-        self.lora = LoopLoRA(
-            args.max_loops,
-            args.dim,
-            args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim),
-            args.n_heads * args.v_head_dim,
-            args.lora_rank,
+        self.lora = (
+            LoopLoRA(
+                args.max_loops,
+                args.dim,
+                args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim),
+                args.n_heads * args.v_head_dim,
+                args.lora_rank,
+            )
+            if args.loop_lora
+            else None
         )
         if layer_id in args.engram_layers:
             self.engram = Engram(args.dim, args.engram_buckets, args.engram_dim, args.norm_eps)
@@ -110,16 +139,17 @@ class CoreBlock(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        loop: int,
+        loop: torch.Tensor,
         freqs: torch.Tensor,
         bucket_ids: torch.Tensor,
         seg_mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lora = self.lora
         h = h + self.attention(
             self.attention_norm(h),
             freqs,
-            q_adapter=lambda x: self.lora.q_delta(x, loop),
-            o_adapter=lambda x: self.lora.o_delta(x, loop),
+            q_adapter=None if lora is None else (lambda x: lora.q_delta(x, loop)),
+            o_adapter=None if lora is None else (lambda x: lora.o_delta(x, loop)),
         )
         if self.engram is not None:
             h = h + self.engram(h, bucket_ids)
@@ -129,7 +159,8 @@ class CoreBlock(nn.Module):
     def init_weights(self, init_std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
         self.attention.init_weights(init_std, out_std)
-        self.lora.init_weights()
+        if self.lora is not None:
+            self.lora.init_weights()
         if self.engram is not None:
             self.engram.init_weights(init_std, out_std)
         self.moe_norm.reset_parameters()
@@ -202,7 +233,7 @@ class RecurrentCore(nn.Module):
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.halt_predictor = nn.Linear(args.dim, 1)
+        self.halt_predictor = nn.Linear(args.dim, 1) if args.halting == "act" else None
 
     def forward(
         self,
@@ -229,12 +260,20 @@ class RecurrentCore(nn.Module):
         for i in range(n_loops):
             h = injected if i == 0 else decay * h + injected  # h_0 = 0
             h = h + loop_emb[i].to(h.dtype)
+            # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
+            # the segment count S as a symbol, so one graph serves every loop and every batch
+            # instead of a recompile per loop index and per new S.
+            loop = torch.full((), i, dtype=torch.int64, device=s.device)
+            for t, dim in ((h, 1), (freqs, 0), (bucket_ids, 1), (seg_real, 1)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
             for block in self.layers:
-                h, aux, cnt = block(h, i, freqs, bucket_ids, seg_real)
+                h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real)
                 aux_sum = aux_sum + aux
                 counts = counts + cnt
             loops_run += 1
 
+            if self.halt_predictor is None:
+                continue
             y = self.norm(h)
             p = torch.sigmoid(self.halt_predictor(y).squeeze(-1).float())  # (B, S)
             w = act.step(p, i, last=i == n_loops - 1, epsilon=self.args.act_epsilon)
@@ -242,11 +281,18 @@ class RecurrentCore(nn.Module):
             if early_exit and i < n_loops - 1 and bool((act.halted | ~seg_valid).all()):
                 break
 
+        moe_aux_loss = aux_sum / (loops_run * len(self.layers))
+        if self.halt_predictor is None:  # fixed depth: every segment used every loop
+            zero = s.new_zeros((), dtype=torch.float32)
+            return CoreOutput(
+                output=self.norm(h), moe_aux_loss=moe_aux_loss, moe_counts=counts, ponder_loss=zero,
+                mean_loops=zero + float(loops_run), loops_run=loops_run,
+            )
         real = seg_real.float()
         n_real = real.sum().clamp(min=1.0)
         return CoreOutput(
             output=out.to(s.dtype),
-            moe_aux_loss=aux_sum / (loops_run * len(self.layers)),
+            moe_aux_loss=moe_aux_loss,
             moe_counts=counts,
             ponder_loss=((act.n_used + act.remainder) * real).sum() / n_real,
             mean_loops=((act.n_used * real).sum() / n_real).detach(),
@@ -260,6 +306,7 @@ class RecurrentCore(nn.Module):
         nn.init.zeros_(self.decay_lambda)  # a = exp(-softplus(0)) = 1/2
         nn.init.zeros_(self.loop_embedding.weight)
         self.norm.reset_parameters()
-        nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
-        n = self.args.n_loops
-        nn.init.constant_(self.halt_predictor.bias, -math.log(n - 1) if n > 1 else 0.0)
+        if self.halt_predictor is not None:
+            nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
+            n = self.args.n_loops
+            nn.init.constant_(self.halt_predictor.bias, -math.log(n - 1) if n > 1 else 0.0)

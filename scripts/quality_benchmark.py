@@ -1,0 +1,240 @@
+"""Equal-compute quality benchmark: Spider, its ablations and the dense baseline, each trained to
+the same training-FLOPs budget on the same corpus, validated on the whole val split.
+
+    python scripts/quality_benchmark.py                      # built-in corpus, 1e13 FLOPs per run
+    python scripts/quality_benchmark.py --data DIR --flops 3e13 --out outputs/quality
+    python scripts/quality_benchmark.py --runs spider,dense  # a subset (names: --list)
+
+Every run is ``python -m spider_titan.train`` with the shipped debug configs plus overrides (no
+other code path): ``--training.steps`` is chosen per run so that steps x FLOPs per step reaches
+the budget. FLOPs per step: the dense model's formula (``ModelSpec.flops_per_token``, exact for
+it); for Spider a short probe run reads the FLOPs the trainer logged over its second half
+(``train_flops``, from the model's ``aux["flops_per_byte"]``: the segments and loops actually run),
+because the core's cost depends on the learned segmentation, and plans ``--margin`` (10 %) more
+steps so the budget is reached. The table reports the FLOPs each run really used.
+
+Outputs under ``--out``: one dump folder per run (``metrics.jsonl``), ``quality.md`` (the table)
+and ``quality.png`` (val bpb against training FLOPs). ``--plot-to`` also copies the picture
+(docs/images/quality.png for the docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPIDER_CONFIG = "train_configs/debug_model.toml"
+DENSE_CONFIG = "train_configs/debug_dense.toml"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    config: str
+    overrides: tuple[str, ...]
+    what: str
+
+
+RUNS = [
+    Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
+    Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
+    Run("spider_fixed_segments", SPIDER_CONFIG, ("--model.boundary_predictor", "fixed"),
+        "segments of exactly target_bytes_per_segment bytes (no learned boundaries)"),
+    Run("spider_no_engram", SPIDER_CONFIG, ("--model.engram_layers", "[]"), "no Engram memory"),
+    Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
+    Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
+    Run("spider_old", SPIDER_CONFIG,
+        ("--model.boundary_predictor", "mlp", "--model.boundary_loss", "hinge", "--model.boundary_noise", "gumbel",
+         "--model.boundary_standardize", "false", "--model.boundary_ste", "true", "--model.halting", "act"),
+        "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT"),
+]
+
+
+def train_cmd(run: Run, dump: Path, steps: int, extra: list[str], *, val_freq: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "spider_titan.train", "--job.config_file", run.config, "--job.dump_folder", str(dump),
+           "--training.steps", str(steps), "--metrics.enable_tensorboard", "false",
+           "--checkpoint.export_at_end", "false", *run.overrides, *extra]
+    if val_freq is None:
+        cmd += ["--validation.enable", "false", "--metrics.log_freq", "1"]
+    else:
+        cmd += ["--validation.enable", "true", "--validation.freq", str(val_freq), "--validation.steps", "-1",
+                "--metrics.log_freq", str(max(1, min(25, val_freq)))]
+    return cmd
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    path = dump / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def execute(cmd: list[str], log: Path, threads: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+
+
+def flops_per_step(run: Run, out: Path, extra: list[str], probe_steps: int, threads: int) -> float:
+    """Training FLOPs of one step: measured by a probe for Spider, the formula for dense."""
+    dump = out / f"probe_{run.name}"
+    shutil.rmtree(dump, ignore_errors=True)
+    execute(train_cmd(run, dump, probe_steps, extra, val_freq=None), out / f"probe_{run.name}.log", threads)
+    rows = [r for r in read_metrics(dump) if "train_flops" in r and "loss" in r]
+    if not rows:
+        raise RuntimeError(f"{dump}/metrics.jsonl has no train_flops: does spider_titan.train log them?")
+    # The second half of the probe only: the segmentation settles in the first steps (a fresh
+    # cosine predictor cuts more often than the target), and those steps under-represent the run.
+    first = next(r for r in rows if r["step"] >= probe_steps // 2)
+    last = rows[-1]
+    if last["step"] == first["step"]:
+        return last["train_flops"] / last["step"]
+    return (last["train_flops"] - first["train_flops"]) / (last["step"] - first["step"])
+
+
+def run_one(run: Run, args, extra: list[str]) -> dict:
+    out = Path(args.out)
+    budget = args.flops if run.name in ("spider", "dense") else args.ablation_flops or args.flops
+    per_step = flops_per_step(run, out, extra, args.probe_steps, args.threads)
+    # A margin for Spider: its FLOPs per step drift with the segmentation, and the budget is a floor.
+    margin = args.margin if run.config == SPIDER_CONFIG else 1.0
+    steps = max(1, math.ceil(margin * budget / per_step))
+    val_freq = max(1, math.ceil(steps / args.val_points))
+    dump = out / run.name
+    shutil.rmtree(dump, ignore_errors=True)
+    t0 = time.time()
+    print(f"[{run.name}] {per_step:.3e} FLOPs/step -> {steps} steps, validation every {val_freq}", flush=True)
+    execute(train_cmd(run, dump, steps, extra, val_freq=val_freq), out / f"{run.name}.log", args.threads)
+    print(f"[{run.name}] done in {time.time() - t0:.0f} s", flush=True)
+    return {"run": run, "steps": steps, "metrics": read_metrics(dump)}
+
+
+def summarise(result: dict) -> dict:
+    rows = result["metrics"]
+    train = [r for r in rows if "loss" in r and "val_bpb" not in r]
+    val = [r for r in rows if "val_bpb" in r]
+    last_t, last_v = (train[-1] if train else {}), (val[-1] if val else {})
+    return {
+        "name": result["run"].name,
+        "what": result["run"].what,
+        "steps": result["steps"],
+        "flops": last_v.get("train_flops", last_t.get("train_flops", float("nan"))),
+        "wall_s": last_v.get("elapsed_s", last_t.get("elapsed_s", float("nan"))),
+        "val_bpb": last_v.get("val_bpb", float("nan")),
+        "val_bpb_loops": {int(k[len("val_bpb_loops"):]): v for k, v in last_v.items() if k.startswith("val_bpb_loops")},
+        "train_bps": last_t.get("bytes_per_segment"),
+        "eval_bps": last_v.get("val_bytes_per_segment"),
+        "train_loops": last_t.get("mean_loops"),
+        "eval_loops": last_v.get("val_mean_loops"),
+        "load_min": last_t.get("expert_load_min"),
+        "load_max": last_t.get("expert_load_max"),
+        "curve": [(r["train_flops"], r["val_bpb"]) for r in val if "train_flops" in r],
+        "bps_curve": [(r["step"], r.get("val_bytes_per_segment")) for r in val],
+    }
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def table(summaries: list[dict]) -> str:
+    loops = sorted({n for s in summaries for n in s["val_bpb_loops"]})
+    head = (["run", "steps", "train FLOPs", "wall s", "val bpb"] + [f"bpb @{n} loops" for n in loops]
+            + ["bytes/seg train", "bytes/seg eval", "mean loops train", "mean loops eval", "expert load min/max", "what"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries:
+        load = "–" if s["load_min"] is None else f"{s['load_min']:.3f} / {s['load_max']:.3f}"
+        cells = ([s["name"], str(s["steps"]), fmt(s["flops"], ".3e"), fmt(s["wall_s"], ".0f"), fmt(s["val_bpb"])]
+                 + [fmt(s["val_bpb_loops"].get(n)) for n in loops]
+                 + [fmt(s["train_bps"], ".2f"), fmt(s["eval_bps"], ".2f"), fmt(s["train_loops"], ".2f"),
+                    fmt(s["eval_loops"], ".2f"), load, s["what"]])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summaries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summaries:
+        if not s["curve"]:
+            continue
+        x, y = zip(*s["curve"])
+        main = s["name"] in ("spider", "dense")
+        ax.plot(x, y, marker="o", lw=2.2 if main else 1.0, ls="-" if main else "--", label=s["name"])
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs (measured)")
+    ax.set_ylabel("val bits per byte (whole val split)")
+    ax.set_title("Spider vs dense at equal training FLOPs (debug, CPU)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flops", type=float, default=1e13, help="training FLOPs budget of spider and dense")
+    p.add_argument("--ablation-flops", type=float, default=None, help="budget of the ablations (default: --flops)")
+    p.add_argument("--data", default=None, help="a bytes folder (--training.dataset bytes); default: built-in corpus")
+    p.add_argument("--out", default="outputs/quality", help="folder for run dumps, table and picture")
+    p.add_argument("--runs", default=",".join(r.name for r in RUNS), help="comma-separated run names")
+    p.add_argument("--val-points", type=int, default=4, help="validations per run (whole val split each)")
+    p.add_argument("--probe-steps", type=int, default=60, help="steps of the FLOPs probe (the second half is measured)")
+    p.add_argument("--margin", type=float, default=1.10,
+                   help="Spider runs plan this many times the probed steps (measured: a 60-step probe "
+                        "overestimated the debug run's FLOPs per step by ~7 %%)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
+    p.add_argument("--plot-to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
+    p.add_argument("--list", action="store_true", help="list the runs and exit")
+    p.add_argument("--report-only", action="store_true", help="rebuild table and picture from existing dumps")
+    args = p.parse_args(argv)
+    if args.list:
+        for r in RUNS:
+            print(f"{r.name:24} {r.what}  {' '.join(r.overrides)}")
+        return
+    by_name = {r.name: r for r in RUNS}
+    unknown = [n for n in args.runs.split(",") if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {unknown}; choose from {list(by_name)}")
+    runs = [by_name[n] for n in args.runs.split(",")]
+    extra = ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.report_only:
+        results = []
+        for r in runs:
+            rows = read_metrics(out / r.name)
+            if rows:
+                results.append({"run": r, "steps": max(m["step"] for m in rows), "metrics": rows})
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            results = list(pool.map(lambda r: run_one(r, args, extra), runs))
+    summaries = [summarise(r) for r in results]
+    md = table(summaries)
+    (out / "quality.md").write_text(md + "\n")
+    (out / "quality.json").write_text(json.dumps(summaries, indent=1))
+    plot(summaries, out / "quality.png")
+    if args.plot_to:
+        Path(args.plot_to).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "quality.png", args.plot_to)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
