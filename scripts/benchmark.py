@@ -31,6 +31,7 @@ import torch  # noqa: E402
 TRAIN_SCENARIOS: dict[str, tuple[str, list[str]]] = {
     "dense_debug": ("train_configs/debug_dense.toml", []),
     "spider_debug": ("train_configs/debug_model.toml", []),
+    "spider_debug_compiled": ("train_configs/debug_model.toml", ["--training.compile", "true"]),
 }
 
 # name -> function(args) -> dict of results
@@ -68,17 +69,17 @@ def run_training(config: str, overrides: list[str], args: argparse.Namespace) ->
     trainer = Trainer(cfg)
     try:
         run = trainer.run
-        for _ in range(args.warmup):
-            trainer.train_step(trainer.next_micro_batches())
+        for step in range(1, args.warmup + 1):
+            trainer.train_step(trainer.next_micro_batches(), step)
         if run.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for _ in range(args.steps):
+        for step in range(args.warmup + 1, args.warmup + args.steps + 1):
             batches = trainer.next_micro_batches()
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            metrics = trainer.train_step(batches)
+            metrics = trainer.train_step(batches, step)
             float(metrics["ce_sum"])  # wait for the step
             times.append(time.perf_counter() - t0)
         t = cfg.training
@@ -176,6 +177,76 @@ def moe_layer(args: argparse.Namespace) -> dict:
     return out
 
 
+@scenario("attention")
+def attention(args: argparse.Namespace) -> dict:
+    """MLA's causal attention at the 1B flavor's shapes (16 heads, qk 192, v 128; seq from
+    ``--tokens``), forward+backward, with each SDPA backend forced alone and with the trainer's
+    priority list (models/common.py SDPA_PRIORITY); a backend that refuses the shapes is reported
+    as such. Meant for GPUs; on CPU only flash (CPU) and math run."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from spider_titan.models.common import causal_sdpa
+    from spider_titan.models.spider.args import SPIDER_FLAVORS
+
+    a = SPIDER_FLAVORS["1B"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    qk, vd = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+    out = {"shapes": f"{a.n_heads} heads, qk {qk}, v {vd}, {dtype}".replace("torch.", "")}
+    for seq in [int(t) for t in args.tokens.split(",")]:
+        q = torch.randn(1, a.n_heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, a.n_heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(1, a.n_heads, seq, vd, device=device, dtype=dtype, requires_grad=True)
+        row = {}
+        for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "priority"):
+            def run():
+                if name == "priority":
+                    y = causal_sdpa(q, k, v)
+                else:
+                    with sdpa_kernel([getattr(SDPBackend, name)]):
+                        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                y.sum().backward()
+            try:
+                t = statistics.median(_timed(run, repeats=args.steps, warmup=args.warmup, device=device))
+                row[name.lower()] = {"ms_fwd_bwd": round(1e3 * t, 3)}
+            except RuntimeError as e:
+                row[name.lower()] = {"refused": str(e).splitlines()[0][:120]}
+        out[f"seq_{seq}"] = row
+    return out
+
+
+@scenario("pooling_memory")
+def pooling_memory(args: argparse.Namespace) -> dict:
+    """Spider's segment pooling (downsample + upsample) at T 4096, dim 2048, fp32: bytes alive after
+    forward for the scatter/gather implementation vs the former dense (B, S, T) matrices + bmm."""
+    from spider_titan.metrics.memory import count_live_activation_bytes
+    from spider_titan.models.spider.flexitokens import downsample, segment_bytes, upsample
+
+    def dense(x, y, seg):  # the pre-2026-11-23 pooling
+        S = seg.num_segments
+        member = seg.seg_id[:, None, :] == torch.arange(S)[None, :, None]
+        w = member.float() * (1.0 + seg.ste[:, None, :])
+        w = w / w.sum(-1, keepdim=True).clamp(min=1.0)
+        prev = (seg.seg_id[:, :, None] - 1) == torch.arange(S)[None, None, :]
+        return torch.bmm(w, x), torch.bmm(prev.float() * (1.0 + seg.ste[:, :, None]), y)
+
+    torch.manual_seed(0)
+    T, D = 4096, 2048
+    ids = torch.randint(0, 256, (1, T))
+    seg = segment_bytes(torch.randn(1, T), ids, training=False, temperature=0.5, max_segment_bytes=16)
+    x = torch.randn(1, T, D, requires_grad=True)
+    y = torch.randn(1, seg.num_segments, D, requires_grad=True)
+    out = {"shape": f"T {T}, S {seg.num_segments}, dim {D}, fp32"}
+    for name, fn in (("scatter", lambda: (downsample(x, seg), upsample(y, seg))), ("dense", lambda: dense(x, y, seg))):
+        with count_live_activation_bytes(x, y) as live:
+            result = fn()
+        out[f"{name}_live_mib"] = round(live.total / 2**20, 1)
+        del result
+    out["ratio"] = round(out["dense_live_mib"] / out["scatter_live_mib"], 2)
+    return out
+
+
 @scenario("ac_memory")
 def ac_memory(args: argparse.Namespace) -> dict:
     """Bytes of activations forward leaves alive for backward, per activation-checkpoint mode,
@@ -269,7 +340,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", help="override for training scenarios, e.g. training.seq_len=1024")
     parser.add_argument("--dump_folder", default="./outputs/benchmark")
     parser.add_argument("--markdown", help="append the results to this markdown file")
-    parser.add_argument("--tokens", default="512", help="moe_layer: comma-separated token counts")
+    parser.add_argument("--tokens", default="512", help="moe_layer: comma-separated token counts; attention: sequence lengths")
     parser.add_argument("--moe_backends", default="", help="moe_layer: comma-separated (python_loop,torch,triton)")
     args = parser.parse_args()
 

@@ -33,7 +33,7 @@ from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
 from spider_titan.metrics.logger import Throughput, format_duration, memory_gib, peak_flops, setup_logging
-from spider_titan.models.common import IGNORE_INDEX, lm_loss_sum
+from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
 
@@ -220,8 +220,9 @@ class Trainer:
         return torch.autocast(self.run.device.type, dtype=dtype) if dtype is not None else nullcontext()
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(inputs, labels, sample_ids)`` per micro-batch; sample_ids key the model's training
-        noise by global sample index (offset by the seed), independent of the parallel layout."""
+        """``(inputs, labels, sample_ids)`` per micro-batch; sample_ids (passed to models whose spec
+        asks for them) key training noise by global sample index (offset by the seed), independent
+        of the parallel layout."""
         batches = []
         loader, device = self.run.train_loader, self.run.device
         for _ in range(self.cfg.training.gradient_accumulation_steps):
@@ -252,9 +253,10 @@ class Trainer:
         for i, (inputs, labels, sample_ids) in enumerate(micro_batches):
             # FSDP reduce-scatters gradients on the last micro-batch only (once per step)
             with maybe_no_grad_sync(model, is_last_microbatch=i == accum - 1):
+                extra = {"sample_ids": sample_ids} if "sample_ids" in run.spec.train_inputs else {}
                 with self._autocast():
-                    out = model(inputs, sample_ids=sample_ids)
-                ce = lm_loss_sum(out.logits, labels)
+                    out = model(inputs, **extra)
+                ce = run.spec.loss_sum(out.logits, labels)
                 loss = ce * (dp / global_tokens)
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss / accum
@@ -349,7 +351,7 @@ class Trainer:
                 inputs, labels = inputs.to(run.device), labels.to(run.device)
                 with self._autocast():
                     out = run.model(inputs, **kwargs)
-                ce += lm_loss_sum(out.logits, labels)
+                ce += run.spec.loss_sum(out.logits, labels)
                 n += (labels != IGNORE_INDEX).sum()
                 batches += 1
                 if not suffix:

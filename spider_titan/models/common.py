@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Vocabulary (MODEL.md): 0..255 bytes, then specials.
 VOCAB_SIZE = 272
@@ -48,6 +49,37 @@ class ModelOutput:
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-byte cross-entropy over labels != IGNORE_INDEX, computed in fp32."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def lm_loss_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy over labels != IGNORE_INDEX (0 when there are none)."""
+    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return lm_loss_sum(logits, labels) / n
+
+
+# SDPA backends, most preferred first. FlashAttention needs q, k and v of one head dim, so MLA's
+# (qk 192, v 128) would fall through to math with torch's default order on some builds; cuDNN and
+# the memory-efficient kernel take unequal dims. On CPU only flash (CPU) and math apply.
+# GPU figures per backend: scripts/benchmark.py attention (docs/benchmarks.md).
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Causal ``scaled_dot_product_attention`` of (B, H, T, d) tensors under :data:`SDPA_PRIORITY`
+    (the first backend that accepts the shapes runs; torch.compile traces the choice)."""
+    with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How the framework builds and handles one registered model.
@@ -62,6 +94,11 @@ class ModelSpec:
     flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
     recurrent_containers: the block containers applied several times per forward (a recurrent
                       core); activation checkpointing's ``recurrent`` mode wraps these
+    loss_sum:         ``(logits, labels) -> scalar``: the training objective summed over labels (the
+                      trainer normalises it over all micro-batches and ranks); next-byte
+                      cross-entropy unless a model says otherwise
+    train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
+                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise)
     eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
                       calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
                       ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
@@ -76,6 +113,8 @@ class ModelSpec:
     flops_per_token: Callable[..., float]
     recurrent_containers: tuple[str, ...] = ()
     eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
+    train_inputs: tuple[str, ...] = ()
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
@@ -93,22 +132,6 @@ class ModelSpec:
             for name, block in mod.named_children():
                 out.append((f"{container}.{name}", block))
         return out
-
-
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-byte cross-entropy over labels != IGNORE_INDEX, computed in fp32."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
-def lm_loss_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy over labels != IGNORE_INDEX (0 when there are none)."""
-    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
-    return lm_loss_sum(logits, labels) / n
 
 
 class SwiGLU(nn.Module):

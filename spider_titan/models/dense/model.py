@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.common import (
@@ -19,6 +18,7 @@ from spider_titan.models.common import (
     ModelSpec,
     PreNormBlock,
     apply_rope,
+    causal_sdpa,
     depth_scaled_std,
     lm_loss_mean,
     rope_frequencies,
@@ -78,9 +78,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads,
+        out = causal_sdpa(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=self.n_heads != self.n_kv_heads
         )  # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

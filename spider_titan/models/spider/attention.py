@@ -18,10 +18,9 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.common import apply_rope
+from spider_titan.models.common import apply_rope, causal_sdpa
 
 # x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
 Adapter = Callable[[torch.Tensor], torch.Tensor]
@@ -77,9 +76,7 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, t, h, self.qk_rope_head_dim)], dim=-1)  # (B, T, H, qk)
 
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
-        )  # (B, H, T, v)
+        out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)  # (B, H, T, v)
         out = out.transpose(1, 2).reshape(b, t, h * self.v_head_dim)
         y = self.wo(out)
         if o_adapter is not None:

@@ -259,4 +259,5 @@ SPIDER_SPEC = ModelSpec(
     flops_per_token=spider_flops_per_byte,
     recurrent_containers=("core.layers",),
     eval_variants=spider_eval_variants,
+    train_inputs=("sample_ids",),  # boundary noise keyed by global sample index
 )
