@@ -52,5 +52,6 @@ train: $(STAMP)
 	    'import sys; from spider_titan.config.manager import parse_args; print(parse_args(sys.argv[1:]).job.dump_folder)' \
 	    --job.config_file $(CONFIG) $(ARGS))/export"
 
+# The venv's bin first on PATH: tests and scripts that start `python` get the venv's.
 test: $(STAMP)
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VPY) -m pytest -q $(PYTEST_ARGS)

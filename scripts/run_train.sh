@@ -10,15 +10,17 @@
 #   RDZV_ENDPOINT  host:port of node 0, reachable from every node (needed when NNODES > 1)
 #   RDZV_ID        a name shared by the nodes of one job [spider_titan]
 #   CONFIG_FILE    used when no --job.config_file argument is given [train_configs/debug_model.toml]
+#   PYTHON         the interpreter with torch and spider_titan installed [python]
 #
 # One node and no RDZV_ENDPOINT: torchrun --standalone. Otherwise a c10d rendezvous at
 # RDZV_ENDPOINT. The trainer picks NCCL when CUDA is available and gloo on CPU.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
 
 if [[ -z "${NGPU:-}" ]]; then
-    NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 1)")
+    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -42,5 +44,5 @@ else
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec python -m torch.distributed.run "${launch[@]}" --nproc-per-node "$NGPU" --max-restarts 0 \
+exec "$PYTHON" -m torch.distributed.run "${launch[@]}" --nproc-per-node "$NGPU" --max-restarts 0 \
     -m spider_titan.train "${args[@]}"

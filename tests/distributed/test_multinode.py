@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 
 from tests.utils import REPO, read_metrics
 
@@ -27,7 +28,8 @@ def test_two_node_rendezvous_on_localhost(tmp_path):
     procs = []
     for node in (0, 1):
         env = {**os.environ, "NGPU": "1", "NNODES": "2", "NODE_RANK": str(node), "RDZV_ENDPOINT": endpoint,
-               "RDZV_ID": f"test-{tmp_path.name}", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+               "RDZV_ID": f"test-{tmp_path.name}", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+               "PYTHON": sys.executable}
         procs.append(subprocess.Popen(["bash", "scripts/run_train.sh", *args], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
