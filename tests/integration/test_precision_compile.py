@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.utils import check_ok, read_metrics, run_train
 from tests.utils import train_losses as train_losses_of

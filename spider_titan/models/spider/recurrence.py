@@ -257,8 +257,10 @@ class RecurrentCore(nn.Module):
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
 
         loops_run = 0
+        h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
         for i in range(n_loops):
-            h = injected if i == 0 else decay * h + injected  # h_0 = 0
+            if i > 0:
+                h = decay * h + injected
             h = h + loop_emb[i].to(h.dtype)
             # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
             # the segment count S as a symbol, so one graph serves every loop and every batch
