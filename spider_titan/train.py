@@ -335,8 +335,7 @@ class Trainer:
         the model's own figures (``val_<aux key>``)."""
         run = self.run
         loader = run.val_loader
-        variants_of = getattr(run.spec, "eval_variants", None)
-        variants = variants_of(run.model_args) if variants_of is not None else [("", {})]
+        variants = run.spec.eval_variants(run.model_args) if run.spec.eval_variants is not None else [("", {})]
         steps = self.cfg.validation.steps if self.cfg.validation.steps >= 0 else loader.num_windows // loader.global_batch_size
         run.model.eval()
         results: dict[str, float] = {}
@@ -456,7 +455,7 @@ class Trainer:
 
     def log_end_block(self) -> None:
         """What the run produced and how to use it, once at the end."""
-        elapsed = time.perf_counter() - getattr(self, "t_start", time.perf_counter())
+        elapsed = time.perf_counter() - self.t_start
         logger.info("done: %d steps, %d bytes, %.3g training FLOPs in %s", self.state.step, self.state.tokens_seen,
                     self.state.flops, format_duration(elapsed))
         if self.best_val is not None:

@@ -144,15 +144,12 @@ class RNGState(Stateful):
         if self.expected is not None:  # the template DCP loads into
             return {k: torch.zeros(shape, dtype=torch.uint8) for k, shape in self.expected.items()}
         mine = self._mine()
-        out = {}
-        for key, state in mine.items():
-            if dist.is_initialized():
-                everyone: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(everyone, state)
-            else:
-                everyone = [state]
-            out[key] = torch.stack(everyone)
-        return out
+        if dist.is_initialized():
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        return {key: torch.stack([state[key] for state in everyone]) for key in mine}
 
     def expect(self, shapes: dict[str, torch.Size]) -> None:
         self.expected = shapes
@@ -390,9 +387,13 @@ class Checkpointer:
         if optimizer is not None:
             for opt in optimizer.optimizers:
                 tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        flags = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all().cpu()
-                 for t in tensors if t.is_floating_point() and t.numel()]
-        bad = torch.tensor([0 if all(bool(f) for f in flags) else 1], dtype=torch.int64)
+        flags: dict[torch.device, list[torch.Tensor]] = {}  # per device: one host read each, not one per tensor
+        for t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if local.is_floating_point() and local.numel():
+                flags.setdefault(local.device, []).append(torch.isfinite(local).all())
+        finite = all(bool(torch.stack(f).all()) for f in flags.values())
+        bad = torch.tensor([0 if finite else 1], dtype=torch.int64)
         if self.distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if bad.item():
