@@ -317,8 +317,8 @@ def _core_block_live_bytes(block, args, *, seq: int) -> int:
 @scenario("comm")
 def comm(args: argparse.Namespace) -> dict:
     """Bytes all-gathered / reduce-scattered / all-to-all'd per step on 2 gloo ranks: core bytes
-    vs n_loops, fp8 vs bf16 all-gather, expert parallel (spider_titan/parallel/comm_bench.py)."""
-    from spider_titan.parallel.comm_bench import benchmark_comm
+    vs n_loops, fp8 vs bf16 all-gather, expert parallel (scripts/bench_comm.py)."""
+    from scripts.bench_comm import benchmark_comm
 
     return benchmark_comm(args)
 
@@ -326,8 +326,8 @@ def comm(args: argparse.Namespace) -> dict:
 @scenario("checkpoint_io")
 def checkpoint_io(args: argparse.Namespace) -> dict:
     """DCP save/load time and size for the debug flavors, and the 1B flavors estimated from a
-    meta-device model and the measured disk bandwidth (spider_titan/checkpoint/bench.py)."""
-    from spider_titan.checkpoint.bench import benchmark_checkpoint_io
+    meta-device model and the measured disk bandwidth (scripts/bench_checkpoint.py)."""
+    from scripts.bench_checkpoint import benchmark_checkpoint_io
 
     return benchmark_checkpoint_io(args)
 

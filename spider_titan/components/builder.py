@@ -221,7 +221,8 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
     post_step_hooks.extend(registry.get("load_balance", cfg.moe.load_balance)(model, cfg.moe))
     steps = total_steps(cfg, dims.dp_degree)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
+    decay = registry.get("lr_scheduler", cfg.lr_scheduler.decay_type)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps, decay)
 
     # 12) metric loggers (rank 0 only unless asked otherwise)
     backends = []

@@ -1,69 +1,95 @@
 """The one place where component names map to their builders.
 
 Every pluggable part of a run is chosen by name in the TOML file. The names live here, once,
-as ``kind -> name -> "module:attribute"``; the attribute is imported only when a run asks for
-it, so importing the registry has no side effects and optional heavy dependencies (Triton,
-torchao) are only touched by the runs that use them. Adding a component means adding a line
-here; the train loop never changes.
+as ``kind -> name -> Component("module:attribute", section)``; the attribute is imported only
+when a run asks for it, so importing the registry has no side effects and optional heavy
+dependencies (Triton, torchao) are only touched by the runs that use them. ``section`` names the
+JobConfig section the component is handed (each component gets its own section, never the whole
+config). Adding a component means adding a line here, or calling :func:`register` from outside;
+the train loop never changes.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
-COMPONENTS: dict[str, dict[str, str]] = {
+
+@dataclass(frozen=True)
+class Component:
+    """One registered component.
+
+    target:  ``"module:attribute"``, imported when a run asks for it
+    section: the JobConfig section (attribute name) handed to it, None when it takes none
+    """
+
+    target: str
+    section: str | None = None
+
+
+COMPONENTS: dict[str, dict[str, Component]] = {
     # ModelSpec objects: how to build a model of that name, its flavors, its block containers.
     "model": {
-        "dense": "spider_titan.models.dense.model:DENSE_SPEC",
-        "spider": "spider_titan.models.spider.model:SPIDER_SPEC",
+        "dense": Component("spider_titan.models.dense.model:DENSE_SPEC", "model"),
+        "spider": Component("spider_titan.models.spider.model:SPIDER_SPEC", "model"),
     },
-    # build_optimizer(model, cfg: OptimizerConfig) -> torch.optim.Optimizer
+    # build_optimizer(model, cfg: Optimizer) -> torch.optim.Optimizer
     "optimizer": {
-        "AdamW": "spider_titan.optim.optimizers:build_adamw",
-        "Muon": "spider_titan.optim.optimizers:build_muon",
+        "AdamW": Component("spider_titan.optim.optimizers:build_adamw", "optimizer"),
+        "Muon": Component("spider_titan.optim.optimizers:build_muon", "optimizer"),
     },
-    # lr multiplier functions (step, cfg, total_steps) -> float
+    # LR decay after warmup: (progress in [0, 1], cfg: LRScheduler) -> multiplier; the builder
+    # hands the chosen one to build_lr_scheduler
     "lr_scheduler": {
-        "linear": "spider_titan.optim.lr_schedulers:linear_decay",
-        "cosine": "spider_titan.optim.lr_schedulers:cosine_decay",
-        "wsd": "spider_titan.optim.lr_schedulers:wsd_decay",
+        "linear": Component("spider_titan.optim.lr_schedulers:linear_decay", "lr_scheduler"),
+        "cosine": Component("spider_titan.optim.lr_schedulers:cosine_decay", "lr_scheduler"),
+        "wsd": Component("spider_titan.optim.lr_schedulers:wsd_decay", "lr_scheduler"),
     },
     # build_*_dataset(path: str | None, *, split: 'train' | 'val', seed: int) -> TokenDataset
     "dataset": {
-        "bytes": "spider_titan.data.loader:build_bytes_dataset",
-        "text": "spider_titan.data.loader:build_text_dataset",
-        "builtin": "spider_titan.data.loader:build_builtin_dataset",
-        "mock": "spider_titan.data.loader:build_mock_dataset",
+        "bytes": Component("spider_titan.data.loader:build_bytes_dataset", "training"),
+        "text": Component("spider_titan.data.loader:build_text_dataset", "training"),
+        "builtin": Component("spider_titan.data.loader:build_builtin_dataset", "training"),
+        "mock": Component("spider_titan.data.loader:build_mock_dataset", "training"),
     },
-    # build_metric_logger(cfg: MetricsConfig, *, log_dir, rank) -> MetricLogger
+    # build_metric_logger(cfg: Metrics, *, log_dir, rank) -> MetricLogger
     "metric_logger": {
-        "console": "spider_titan.metrics.logger:build_console_logger",
-        "jsonl": "spider_titan.metrics.logger:build_jsonl_logger",
-        "tensorboard": "spider_titan.metrics.logger:build_tensorboard_logger",
+        "console": Component("spider_titan.metrics.logger:build_console_logger", "metrics"),
+        "jsonl": Component("spider_titan.metrics.logger:build_jsonl_logger", "metrics"),
+        "tensorboard": Component("spider_titan.metrics.logger:build_tensorboard_logger", "metrics"),
     },
-    # apply_parallelism(model, spec, dims, meshes, cfg, *, param_dtype, reduce_dtype, dump_folder) -> CommCounter | None
+    # apply_parallelism(model, spec, dims, meshes, cfg: Parallelism, *, param_dtype, reduce_dtype,
+    # dump_folder) -> post-step hooks
     "parallelize": {
-        "fsdp": "spider_titan.parallel.parallelize:apply_parallelism",
+        "fsdp": Component("spider_titan.parallel.parallelize:apply_parallelism", "parallelism"),
     },
-    # apply_*(model, cfg) -> report: swap modules in place after building on meta; the report's
-    # ``post_step_hooks`` (if any) run after every optimizer step
+    # [model] converters: apply_*(model, cfg) -> post-step hooks; swap modules in place after
+    # building on meta
     "converter": {
-        "float8": "spider_titan.quantization.float8:apply_float8",
+        "float8": Component("spider_titan.quantization.float8:apply_float8", "float8"),
     },
-    # apply_*(model, cfg: MoEConfig) -> list of post-step hooks: [moe] load_balance
+    # [moe] load_balance: apply_*(model, cfg: MoE) -> post-step hooks
     "load_balance": {
-        "aux_loss": "spider_titan.moe.load_balance:apply_aux_loss_balancing",
-        "aux_free": "spider_titan.moe.load_balance:apply_aux_free_balancing",
-        "both": "spider_titan.moe.load_balance:apply_aux_free_balancing",
+        "aux_loss": Component("spider_titan.moe.load_balance:apply_aux_loss_balancing", "moe"),
+        "aux_free": Component("spider_titan.moe.load_balance:apply_aux_free_balancing", "moe"),
+        "both": Component("spider_titan.moe.load_balance:apply_aux_free_balancing", "moe"),
     },
     # MoE backends: classes implementing spider_titan.moe.base.MoEBackend, with a static
     # ``prepare(device)`` for process-wide set-up before the first one is built
     "moe_backend": {
-        "torch": "spider_titan.moe.torch_backend:TorchMoEBackend",
-        "triton": "spider_titan.moe.triton_backend:TritonMoEBackend",
+        "torch": Component("spider_titan.moe.torch_backend:TorchMoEBackend", "moe"),
+        "triton": Component("spider_titan.moe.triton_backend:TritonMoEBackend", "moe"),
     },
 }
+
+
+def register(kind: str, name: str, target: str, section: str | None = None) -> None:
+    """Add (or replace) a component: how an extension outside this file plugs in
+    (docs/extension.md). ``target`` is ``"module:attribute"``."""
+    if kind not in COMPONENTS:
+        raise KeyError(f"unknown component kind {kind!r}; kinds: {sorted(COMPONENTS)}")
+    COMPONENTS[kind][name] = Component(target, section)
 
 
 def names(kind: str) -> list[str]:
@@ -73,15 +99,25 @@ def names(kind: str) -> list[str]:
     return list(COMPONENTS[kind])
 
 
-def get(kind: str, name: str) -> Any:
-    """Import and return the builder registered as ``name`` for ``kind``.
-
-    Raises ValueError naming the allowed choices when ``name`` is not registered.
-    """
+def _entry(kind: str, name: str) -> Component:
     table = COMPONENTS.get(kind)
     if table is None:
         raise KeyError(f"unknown component kind {kind!r}; kinds: {sorted(COMPONENTS)}")
     if name not in table:
         raise ValueError(f"unknown {kind} {name!r}; choose one of {list(table)}")
-    module_name, attr = table[name].split(":")
+    return table[name]
+
+
+def get(kind: str, name: str) -> Any:
+    """Import and return the builder registered as ``name`` for ``kind``.
+
+    Raises ValueError naming the allowed choices when ``name`` is not registered.
+    """
+    module_name, attr = _entry(kind, name).target.split(":")
     return getattr(importlib.import_module(module_name), attr)
+
+
+def section(kind: str, name: str, cfg: Any) -> Any:
+    """The config section component ``name`` of ``kind`` takes, read from the JobConfig ``cfg``."""
+    attr = _entry(kind, name).section
+    return getattr(cfg, attr) if attr is not None else None

@@ -1,4 +1,4 @@
-"""Optimizer builders: ``build_*(model, cfg: OptimizerConfig) -> torch.optim.Optimizer``.
+"""Optimizer builders: ``build_*(model, cfg: OptimizerConfig) -> torch.optim.Optimizer`` (the [optimizer] section).
 
 Weight decay goes to matrices only: norms, biases, the LTI decay and other vectors are not decayed,
 and neither are embedding tables (decaying rarely used byte rows only shrinks them).
@@ -10,6 +10,8 @@ import logging
 
 import torch
 from torch import nn
+
+from spider_titan.config.job_config import Optimizer as OptimizerConfig
 
 logger = logging.getLogger("spider_titan")
 
@@ -37,7 +39,7 @@ def _split_decay(named_params, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_adamw(model: nn.Module, cfg) -> torch.optim.Optimizer:
+def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     # foreach is the fast path for DTensor (FSDP2) parameters on both CPU and GPU; fused has no
     # CPU DTensor kernel.
     return torch.optim.AdamW(
@@ -53,7 +55,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     stay on AdamW. Both inner optimizers step together and their state is saved as one dict.
     """
 
-    def __init__(self, model: nn.Module, cfg):
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig):
         muon_params, adam_named = [], []
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -92,5 +94,5 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
 
 
-def build_muon(model: nn.Module, cfg) -> torch.optim.Optimizer:
+def build_muon(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return MuonWithAdamW(model, cfg)

@@ -131,7 +131,7 @@ def test_fp8_all_gather_tracks_fp8_run_and_moves_fp8(runs):
 def test_fp8_all_gather_halves_bf16_bytes():
     """Measured with bf16 parameters (the GPU setting) on converted linears alone, one FSDP unit
     each (all-float8 units: the payload crosses gloo as uint8): half the bytes of bf16."""
-    from spider_titan.parallel.comm_bench import benchmark_comm
+    from scripts.bench_comm import benchmark_comm
 
     args = argparse.Namespace(comm_scenarios="float8_linears", comm_world_size=2, comm_steps=2)
     result = benchmark_comm(args)["float8_linears"]

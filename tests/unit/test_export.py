@@ -211,7 +211,7 @@ def test_generate_greedy_follows_argmax(trained):
 def test_checkpoint_io_benchmark_reports_debug_and_1b(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from spider_titan.checkpoint import bench
+    from scripts import bench_checkpoint as bench
 
     monkeypatch.setattr(bench, "PROBE_MIB", 16)
     monkeypatch.setattr(bench, "REPEATS", 1)

@@ -219,7 +219,7 @@ _RUNNERS = {
 }
 
 
-if __name__ == "__main__":  # python -m spider_titan.parallel.comm_bench [scenario,...]
+if __name__ == "__main__":  # python -m scripts.bench_comm [scenario,...]
     import sys
 
     print(json.dumps(benchmark_comm(argparse.Namespace(comm_scenarios=",".join(sys.argv[1:]))), indent=2))

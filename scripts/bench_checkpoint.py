@@ -37,7 +37,7 @@ from spider_titan.checkpoint.manager import (
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.config.job_config import Checkpoint, LRScheduler, Optimizer
-from spider_titan.optim.lr_schedulers import build_lr_scheduler
+from spider_titan.optim.lr_schedulers import build_lr_scheduler, cosine_decay
 
 REPEATS = 3
 PROBE_MIB = 256
@@ -77,7 +77,7 @@ def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
     states = {
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
-        "lr_scheduler": build_lr_scheduler(optimizer, LRScheduler(), 100),
+        "lr_scheduler": build_lr_scheduler(optimizer, LRScheduler(), 100, cosine_decay),
         "rng": RNGState(),
     }
     states["optimizer"].state_dict()  # creates the AdamW moments (a zero-lr step), as after training
