@@ -23,12 +23,15 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from spider_titan.checkpoint import build_checkpointer
+from spider_titan.checkpoint.export import check_export_target
+from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
@@ -166,6 +169,12 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
+        # One run per folder, before anything is written to it; the end-of-run export may not
+        # replace anything but an export (checked now, not after hours of training).
+        export_check = partial(check_export_target, self.dump_folder / "export", origin="checkpoint.export_at_end",
+                               keep_out_of=[self.dump_folder / cfg.checkpoint.folder])
+        self.run_lock = acquire_run_lock(self.dump_folder, rank=self.rank, distributed=self.world_size > 1,
+                                         checks=[export_check] if cfg.checkpoint.export_at_end else [])
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(cfg))
@@ -483,6 +492,9 @@ class Trainer:
             run.metric_logger.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        lock = getattr(self, "run_lock", None)
+        if lock is not None:
+            lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:
