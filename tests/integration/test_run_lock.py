@@ -21,6 +21,7 @@ from spider_titan.checkpoint.lock import (
     RunLockedError,
     acquire_run_lock,
 )
+from spider_titan.train import main
 from tests.utils import REPO, read_metrics, run_train
 
 ARGS = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
@@ -114,3 +115,15 @@ def test_a_failed_check_gives_the_folder_back(tmp_path):
         acquire_run_lock(tmp_path, rank=0, distributed=False, checks=[refuse])
     assert not (tmp_path / LOCK_FILE).exists()
     RunLock.acquire(tmp_path).release()
+
+
+def test_a_run_whose_export_folder_holds_other_files_stops_before_writing(tmp_path, in_process, capsys):
+    """checkpoint.export_at_end would replace <dump>/export: refused at start, not after training."""
+    dump = tmp_path / "run"
+    (dump / "export").mkdir(parents=True)
+    (dump / "export" / "notes.txt").write_text("mine")
+    code = main([*ARGS, "--checkpoint.export_at_end", "true", "--training.steps", "2", "--job.dump_folder", str(dump)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: checkpoint.export_at_end: {dump / 'export'} holds notes.txt, not an export"), lines
+    assert sorted(str(p.relative_to(dump)) for p in dump.rglob("*")) == ["export", "export/notes.txt"]
