@@ -35,7 +35,14 @@ from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
-from spider_titan.metrics.logger import Throughput, format_duration, memory_gib, peak_flops, setup_logging
+from spider_titan.metrics.logger import (
+    Throughput,
+    format_duration,
+    memory_gib,
+    peak_flops,
+    setup_logging,
+    shell_command,
+)
 from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
@@ -446,8 +453,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 val = self.validate()
                 val_time = time.perf_counter() - t0
+                remaining = run.total_steps - step
+                vals_left = remaining // cfg.validation.freq + 1 if remaining else 0
                 val.update(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops,
-                           elapsed_s=time.perf_counter() - self.t_start)
+                           elapsed_s=time.perf_counter() - self.t_start, total_steps=run.total_steps,
+                           eta_s=remaining * (step_time or 0.0) + vals_left * val_time)
                 run.metric_logger.log(step, val)
                 if self.best_val is None or val["val_bpb"] < self.best_val[0]:
                     self.best_val = (val["val_bpb"], step)
@@ -469,16 +479,19 @@ class Trainer:
                     self.state.flops, format_duration(elapsed))
         if self.best_val is not None:
             logger.info("best val bpb %.4f at step %d", *self.best_val)
+        # Commands that work as printed: this interpreter (the venv's) and this checkout's scripts.
+        python, scripts = Path(sys.executable), Path(__file__).resolve().parents[1] / "scripts"
         if self.cfg.metrics.enable_jsonl:
-            logger.info("metrics: %s (plot: python scripts/plot.py %s)", self.dump_folder / "metrics.jsonl", self.dump_folder)
+            logger.info("metrics: %s (plot: %s)", self.dump_folder / "metrics.jsonl",
+                        shell_command(python, scripts / "plot.py", self.dump_folder))
         good = self.checkpointer.latest_good()
         if good is not None:
             logger.info("last checkpoint: %s", good[1])
         if self.cfg.checkpoint.export_at_end:
             export = self.dump_folder / "export"
             logger.info("export: %s", export)
-            logger.info("sample from it: python scripts/generate.py --model %s --prompt 'def ' --max_new_bytes 200",
-                        export)
+            logger.info("sample from it: %s", shell_command(python, scripts / "generate.py", "--model", export,
+                                                            "--prompt", "def ", "--max_new_bytes", "200"))
 
     def close(self) -> None:
         stop = getattr(self, "stop", None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,7 +41,8 @@ def holder_pid(dump) -> int | None:
 
 def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
     dump = tmp_path / "run"
-    cmd = [*ARGS, "--training.steps", "8", "--job.dump_folder", str(dump)]
+    cmd = [*ARGS, "--training.steps", "8", "--job.dump_folder", str(dump), "--validation.enable", "true",
+           "--validation.freq", "4", "--validation.steps", "1"]
     first = subprocess.Popen([sys.executable, "-m", "spider_titan.train", *cmd], cwd=REPO, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -56,7 +59,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
             second_s = time.perf_counter() - t0
         finally:
             first.send_signal(signal.SIGCONT)
-        _, err = first.communicate(timeout=300)
+        out, err = first.communicate(timeout=300)
     finally:
         first.kill()
     lines = second.stderr.strip().splitlines()
@@ -66,10 +69,18 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
     assert "--job.dump_folder <path>" in lines[0] and "wait for it to finish" in lines[0]
     assert "checkpoint: loaded" not in second.stdout and "step " not in second.stdout
     assert first.returncode == 0, err[-3000:]
-    steps = [row["step"] for row in read_metrics(dump)]
-    assert steps == list(range(1, 9))  # one run's rows, none twice
+    rows = read_metrics(dump)
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, 9))  # one run's rows, none twice
+    assert [(row["step"], row["total_steps"]) for row in rows if "val_loss" in row] == [(4, 8), (8, 8)]
+    assert re.search(r"step 4/8 \| elapsed \S+ \| eta \S+ \| val_loss ", out), out  # validation: step total, eta
     assert not (dump / LOCK_FILE).exists()  # released at exit
     print(f"second run refused in {second_s:.1f} s")
+    # the plot command the run prints works as printed, whatever python is first on PATH
+    pytest.importorskip("matplotlib")
+    plot = shlex.split(out.split("(plot: ")[1].split(")\n")[0])
+    proc = subprocess.run(plot, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0 and (dump / "metrics.png").is_file(), (plot, proc.stderr)
 
 
 def test_two_ranks_both_stop_on_a_folder_in_use(tmp_path):
