@@ -15,6 +15,7 @@ import torch
 
 from spider_titan.checkpoint.export import (
     INDEX_FILE,
+    export_checkpoint,
     full_model_state_dict,
     load_export_tensors,
     read_export_config,
@@ -250,19 +251,18 @@ def test_script_refuses_the_checkpoint_folder_and_the_run_folder(trained):
     _, dump = trained
     before = snapshot(dump)
     assert any(name.startswith("checkpoint/step-3/") for name in before)
-    cases = [
-        (dump / "checkpoint", dump / "checkpoint", "is the checkpoint folder"),
-        (dump / "checkpoint" / "step-3", dump / "checkpoint", "is the checkpoint folder"),
-        (dump / "checkpoint", dump, "holds the checkpoint folder"),
-        (dump / "checkpoint", dump / "checkpoint" / "step-3" / "e", "lies inside the checkpoint folder"),
-    ]
-    for checkpoint, out, needle in cases:
-        proc = export_script(checkpoint, out)
+    for out, needle in [(dump / "checkpoint", "is the checkpoint folder"), (dump, "holds the checkpoint folder")]:
+        proc = export_script(dump / "checkpoint", out)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-        assert lines[0].startswith(f"export_safetensors: error: --out: {out} {needle}"), lines[0]
-        assert f"e.g. {dump / 'export'}" in lines[0] and "Traceback" not in proc.stderr
-        assert "wrote" not in proc.stdout
+        assert lines[0].startswith(f"export_safetensors: error: --out: {out} {needle} {dump / 'checkpoint'}; "), lines
+        assert lines[0].endswith(f"give a folder of its own, e.g. {dump / 'export'}") and "wrote" not in proc.stdout
+        assert snapshot(dump) == before
+    # the same from a step folder, and for a folder inside the checkpoint folder (in this process)
+    for checkpoint, out, needle in [(dump / "checkpoint" / "step-3", dump / "checkpoint", "is"),
+                                    (dump / "checkpoint", dump / "checkpoint" / "step-3" / "e", "lies inside")]:
+        with pytest.raises(ValueError, match=f"^--out: {out} {needle} the checkpoint folder"):
+            export_checkpoint(checkpoint, out, dtype=torch.float32, origin="--out")
         assert snapshot(dump) == before
 
 
@@ -273,13 +273,13 @@ def test_a_folder_of_other_files_is_refused_and_kept(trained, tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "run" / "logs").mkdir()
     before = snapshot(tmp_path)
-    proc = export_script(dump / "checkpoint", tmp_path / "run")
-    assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip().splitlines() == [(
-        f"export_safetensors: error: --out: {tmp_path / 'run'} holds config.toml, logs/, metrics.jsonl, not an export "
+    with pytest.raises(ValueError) as err:
+        export_checkpoint(dump / "checkpoint", tmp_path / "run", dtype=torch.float32, origin="--out")
+    assert str(err.value) == (
+        f"--out: {tmp_path / 'run'} holds config.toml, logs/, metrics.jsonl, not an export "
         f"of spider_titan (no .spider_titan_export); an export replaces its folder, so it would delete them: "
         f"give a new or empty folder, e.g. {tmp_path / 'run' / 'export'}"
-    )]
+    )
     assert snapshot(tmp_path) == before
     # an export with a file someone added to it: that file is not the export's to delete
     out = tmp_path / "e"
