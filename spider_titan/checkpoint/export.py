@@ -240,12 +240,16 @@ def _swap_in(tmp: Path, out: Path) -> None:
         tmp.rename(out)
         return
     if _exchange(tmp, out):
-        shutil.rmtree(tmp)  # now the previous export
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous export
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     out.rename(old)  # onto the empty folder mkdtemp made
-    tmp.rename(out)
-    shutil.rmtree(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def is_own_export(path: Path) -> bool:
