@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -242,7 +245,7 @@ def dense_identity() -> ModelIdentity:
 
 def export_script(checkpoint, out) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(checkpoint),
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_script_refuses_the_checkpoint_folder_and_the_run_folder(trained):
@@ -335,3 +338,18 @@ def test_a_crash_mid_write_leaves_the_previous_export(tmp_path, monkeypatch):
         write_export({"a": torch.zeros(3)}, identity, out, dtype=torch.float32, step=2)
     assert snapshot(tmp_path) == before  # the old export, and no temporary folder beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None or sys.prefix == sys.base_prefix, reason="needs make and a venv")
+def test_make_sample_reads_the_run_of_config_and_args(trained):
+    """`make sample` with CONFIG and ARGS finds the run's folder as the trainer does, and the sample
+    comes under a line saying where it is from. Run with this interpreter's venv, installing nothing."""
+    _, dump = trained
+    venv = Path(sys.prefix)
+    make = ["make", "-s", "-o", str(venv / ".spider_titan_installed"), "-o", str(venv / "bin" / "python"),
+            f"VENV={venv}", "CONFIG=train_configs/debug_dense.toml", f"ARGS=--job.dump_folder {shlex.quote(str(dump))}"]
+    proc = subprocess.run([*make, "sample", "SAMPLE_ARGS=--max_new_bytes 5 --temperature 0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    label, sample = proc.stdout.splitlines()[:2]
+    assert label == f"sample from {dump}/export (prompt 'def '):" and sample.startswith("def ")
