@@ -136,5 +136,6 @@ def test_a_run_whose_export_folder_holds_other_files_stops_before_writing(tmp_pa
     code = main([*ARGS, "--checkpoint.export_at_end", "true", "--training.steps", "2", "--job.dump_folder", str(dump)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith(f"error: checkpoint.export_at_end: {dump / 'export'} holds notes.txt, not an export"), lines
+    expected = f"error: checkpoint.export_at_end: {dump / 'export'} holds notes.txt, not an export"
+    assert lines[0].startswith(expected), lines
     assert sorted(str(p.relative_to(dump)) for p in dump.rglob("*")) == ["export", "export/notes.txt"]
