@@ -70,7 +70,7 @@ class RunLock:
         while True:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                file = open(path, "a+")  # noqa: SIM115 (held open for the run's lifetime)
+                file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # noqa: SIM115 (held open for the run)
             except OSError as e:
                 raise ValueError(f"job.dump_folder: cannot create {path} ({e.strerror or e}); "
                                  "give a folder this user can write to with --job.dump_folder <path>") from e
