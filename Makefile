@@ -2,13 +2,18 @@
 #     make train     # train the debug model on the built-in corpus, then sample from its export
 #     make test      # the test suite (what CI runs)
 # Both create $(VENV) and install into it on first use; later runs skip the installs until
-# pyproject.toml changes (the stamp file below is older than it). `make help` lists the targets.
+# pyproject.toml changes (the stamp file below is older than it). After a run, `make sample`
+# and `make plot` (same CONFIG and ARGS) sample from its export and draw its metrics.
+# `make help` lists the targets.
 
 PYTHON      ?= python3
 VENV        ?= .venv
 CONFIG      ?= train_configs/debug_model.toml
 ARGS        ?=
 PYTEST_ARGS ?=
+empty       :=
+PROMPT      ?= def$(empty) $(empty)
+SAMPLE_ARGS ?= --max_new_bytes 100
 # torch is installed only when the venv cannot import it, so an existing build (a CUDA torch,
 # say) is left alone. Pinned because an unpinned torch resolves to the newest CUDA build, several
 # GB: on this project's machines torch==2.13.0 is a CPU wheel on local disk; elsewhere, without
@@ -19,11 +24,13 @@ TORCH_PIP_ARGS ?=
 VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.spider_titan_installed
 
-.PHONY: help install train test
+.PHONY: help install train sample plot test
 
 help:
 	@echo "make train    train CONFIG ($(CONFIG)) with the overrides in ARGS,"
 	@echo "              then print a sample from its export"
+	@echo "make sample   sample from the export of CONFIG/ARGS's run (PROMPT, SAMPLE_ARGS)"
+	@echo "make plot     draw CONFIG/ARGS's run's metrics.jsonl into <run folder>/metrics.png"
 	@echo "make test     run the tests (python -m pytest -q PYTEST_ARGS), as CI does"
 	@echo "make install  create VENV and install torch and the project (train and test do it first)"
 	@echo "make help     this list"
@@ -31,6 +38,7 @@ help:
 	@echo "variables (make VAR=value ...), now:"
 	@echo "  PYTHON=$(PYTHON)  VENV=$(VENV)  CONFIG=$(CONFIG)"
 	@echo "  ARGS='$(ARGS)'  (--section.key value overrides for train; see: $(VPY) -m spider_titan.train --help)"
+	@echo "  PROMPT='$(PROMPT)'  SAMPLE_ARGS='$(SAMPLE_ARGS)'  (see: $(VPY) scripts/generate.py --help)"
 	@echo "  PYTEST_ARGS='$(PYTEST_ARGS)'  TORCH='$(TORCH)'  TORCH_PIP_ARGS='$(TORCH_PIP_ARGS)'"
 	@echo ""
 	@echo "example: make train ARGS='--training.steps 50 --model.n_loops 3'"
@@ -45,12 +53,29 @@ $(STAMP): pyproject.toml | $(VPY)
 
 install: $(STAMP)
 
-# The sample is read from <dump_folder>/export, the folder as resolved by CONFIG and ARGS.
+# The run folder (job.dump_folder) that CONFIG and ARGS resolve to, as the trainer's own parser
+# reads them; a recipe line that uses it starts with `dump=$(RUN_FOLDER) &&`, so a config error
+# (printed as the trainer prints it, one line per problem) stops the recipe there.
+RUN_FOLDER = "$$($(VPY) -c 'import sys; from spider_titan.config.manager import parse_args; \
+	sys.excepthook = lambda t, e, tb: print(*(f"config error: {p}" for p in getattr(e, "problems", [e])), \
+	sep="\n", file=sys.stderr); print(parse_args(sys.argv[1:]).job.dump_folder)' \
+	--job.config_file $(CONFIG) $(ARGS))"
+
+# Sample from <run folder>/export, under a line that says what it is.
+define sample_recipe
+	@dump=$(RUN_FOLDER) && echo "sample from $$dump/export (prompt '$(PROMPT)'):" && \
+	    $(VPY) scripts/generate.py --model "$$dump/export" --prompt '$(PROMPT)' $(SAMPLE_ARGS)
+endef
+
 train: $(STAMP)
 	$(VPY) -m spider_titan.train --job.config_file $(CONFIG) $(ARGS)
-	$(VPY) scripts/generate.py --prompt "def " --max_new_bytes 100 --model "$$($(VPY) -c \
-	    'import sys; from spider_titan.config.manager import parse_args; print(parse_args(sys.argv[1:]).job.dump_folder)' \
-	    --job.config_file $(CONFIG) $(ARGS))/export"
+	$(sample_recipe)
+
+sample: $(STAMP)
+	$(sample_recipe)
+
+plot: $(STAMP)
+	@dump=$(RUN_FOLDER) && $(VPY) scripts/plot.py "$$dump"
 
 # The venv's bin first on PATH: tests and scripts that start `python` get the venv's.
 test: $(STAMP)

@@ -6,7 +6,9 @@
 ``--checkpoint`` is a ``step-<N>`` folder or a folder of them (then the newest complete one), full
 or model-only, saved by any number of ranks; it is read in this one process. Above
 ``--max_shard_size`` bytes the weights are split into ``model-0000i-of-0000K.safetensors`` files
-with a ``model.safetensors.index.json``. The work is done by
+with a ``model.safetensors.index.json``. ``--out`` must be new, empty or a previous export (its
+``.spider_titan_export`` marker), never the checkpoint folder or a folder around it: the export
+replaces its folder whole and deletes nothing it did not write. The work is done by
 :func:`spider_titan.checkpoint.export.export_checkpoint`; sample from the result with
 ``scripts/generate.py --model <out>``.
 """
@@ -29,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a step-<N> checkpoint folder, or a folder of them (then the newest complete one)")
-    p.add_argument("--out", required=True, metavar="DIR", help="export folder (replaced if it exists)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="export folder: new, empty, or a previous export (replaced whole)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="dtype of the exported tensors (default float32)")
     p.add_argument("--max_shard_size", type=int, default=DEFAULT_MAX_SHARD_BYTES, metavar="BYTES",
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype=DTYPES[args.dtype],
-                                max_shard_bytes=args.max_shard_size)
+                                max_shard_bytes=args.max_shard_size, origin="--out")
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"export_safetensors: error: {e}")
     print(f"wrote {out}")

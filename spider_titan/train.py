@@ -23,16 +23,26 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from spider_titan.checkpoint import build_checkpointer
+from spider_titan.checkpoint.export import check_export_target
+from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
-from spider_titan.metrics.logger import Throughput, format_duration, memory_gib, peak_flops, setup_logging
+from spider_titan.metrics.logger import (
+    Throughput,
+    format_duration,
+    memory_gib,
+    peak_flops,
+    setup_logging,
+    shell_command,
+)
 from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
@@ -166,6 +176,12 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
+        # One run per folder, before anything is written to it; the end-of-run export may not
+        # replace anything but an export (checked now, not after hours of training).
+        export_check = partial(check_export_target, self.dump_folder / "export", origin="checkpoint.export_at_end",
+                               keep_out_of=[self.dump_folder / cfg.checkpoint.folder])
+        self.run_lock = acquire_run_lock(self.dump_folder, rank=self.rank, distributed=self.world_size > 1,
+                                         checks=[export_check] if cfg.checkpoint.export_at_end else [])
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(cfg))
@@ -437,8 +453,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 val = self.validate()
                 val_time = time.perf_counter() - t0
+                remaining = run.total_steps - step
+                vals_left = remaining // cfg.validation.freq + 1 if remaining else 0
                 val.update(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops,
-                           elapsed_s=time.perf_counter() - self.t_start)
+                           elapsed_s=time.perf_counter() - self.t_start, total_steps=run.total_steps,
+                           eta_s=remaining * (step_time or 0.0) + vals_left * val_time)
                 run.metric_logger.log(step, val)
                 if self.best_val is None or val["val_bpb"] < self.best_val[0]:
                     self.best_val = (val["val_bpb"], step)
@@ -460,16 +479,19 @@ class Trainer:
                     self.state.flops, format_duration(elapsed))
         if self.best_val is not None:
             logger.info("best val bpb %.4f at step %d", *self.best_val)
+        # Commands that work as printed: this interpreter (the venv's) and this checkout's scripts.
+        python, scripts = Path(sys.executable), Path(__file__).resolve().parents[1] / "scripts"
         if self.cfg.metrics.enable_jsonl:
-            logger.info("metrics: %s (plot: python scripts/plot.py %s)", self.dump_folder / "metrics.jsonl", self.dump_folder)
+            logger.info("metrics: %s (plot: %s)", self.dump_folder / "metrics.jsonl",
+                        shell_command(python, scripts / "plot.py", self.dump_folder))
         good = self.checkpointer.latest_good()
         if good is not None:
             logger.info("last checkpoint: %s", good[1])
         if self.cfg.checkpoint.export_at_end:
             export = self.dump_folder / "export"
             logger.info("export: %s", export)
-            logger.info("sample from it: python scripts/generate.py --model %s --prompt 'def ' --max_new_bytes 200",
-                        export)
+            logger.info("sample from it: %s", shell_command(python, scripts / "generate.py", "--model", export,
+                                                            "--prompt", "def ", "--max_new_bytes", "200"))
 
     def close(self) -> None:
         stop = getattr(self, "stop", None)
@@ -483,6 +505,9 @@ class Trainer:
             run.metric_logger.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        lock = getattr(self, "run_lock", None)
+        if lock is not None:
+            lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,12 @@
 Two sources, one writer (:func:`write_export`): a DCP checkpoint folder read in one process
 (:func:`export_checkpoint`, behind ``scripts/export_safetensors.py``), or the live, possibly
 FSDP-sharded model at the end of training (:func:`full_model_state_dict`, ``checkpoint.export_at_end``).
-The folder is written under a temporary name and renamed when whole.
+
+No export deletes what it did not write: the folder carries a marker file (``.spider_titan_export``)
+and :func:`check_export_target` refuses an ``out`` that holds anything but a previous export (or
+that is, holds or lies inside a checkpoint folder). The new export is written into a temporary
+sibling and swapped in whole (one atomic exchange where the OS has one), so a crash or a full disk
+mid-write leaves the previous export as it was.
 
 Float8 training keeps each converted linear's high-precision weight as its parameter; with fp8
 all-gather torchao wraps it in a tensor subclass that safetensors cannot store. The export unwraps
@@ -18,12 +23,17 @@ converters loads.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
+import re
 import shutil
+import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +46,21 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from spider_titan.checkpoint.layout import SINGLE_PROCESS_NOTICE, ModelIdentity, read_meta, resolve_checkpoint
+from spider_titan.checkpoint.layout import (
+    SINGLE_PROCESS_NOTICE,
+    STEP_RE,
+    ModelIdentity,
+    read_meta,
+    resolve_checkpoint,
+)
 from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MARKER_FILE = ".spider_titan_export"  # {"format", "format_version", "step", "time"}: this folder is ours
+SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the usual 5 GB per file of hub exports
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -116,12 +134,12 @@ def export_config(
     }
 
 
-def _make_readable(path: Path) -> None:
-    """safetensors writes its files 0600; give them the mode of any other file we write (0644
-    under the usual umask), like config.json beside them."""
+def _make_readable(path: Path, *, folder: bool = False) -> None:
+    """safetensors writes its files 0600 (and mkdtemp its folders 0700); give them the mode of any
+    other file or folder we write (0644 / 0755 under the usual umask), like config.json beside them."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, (0o777 if folder else 0o666) & ~umask)
 
 
 def write_export(
@@ -132,13 +150,36 @@ def write_export(
     dtype: torch.dtype,
     step: int | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    origin: str = "export",
+    keep_out_of: Sequence[Path] = (),
 ) -> Path:
-    """Write ``tensors`` (full, plain FQNs) in ``dtype`` as safetensors + config.json into ``out``."""
+    """Write ``tensors`` (full, plain FQNs) in ``dtype`` as safetensors + config.json into ``out``,
+    replacing a previous export there and refusing anything else (:func:`check_export_target`)."""
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    check_export_target(out, origin=origin, keep_out_of=keep_out_of)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_files(tensors, identity, tmp, dtype=dtype, step=step, max_shard_bytes=max_shard_bytes, out=out)
+        _make_readable(tmp, folder=True)  # mkdtemp makes it 0700
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_files(
+    tensors: dict[str, torch.Tensor],
+    identity: ModelIdentity,
+    tmp: Path,
+    *,
+    dtype: torch.dtype,
+    step: int | None,
+    max_shard_bytes: int,
+    out: Path,
+) -> None:
+    """The export's files, into the temporary folder ``tmp`` (``out`` only names it in the log)."""
     cast = {k: to_plain(v).to(dtype).contiguous() for k, v in tensors.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -171,19 +212,124 @@ def write_export(
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
     config = export_config(identity, dtype, step=step, num_parameters=sum(t.numel() for t in cast.values()))
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    marker = {"format": "spider_titan safetensors export", "format_version": EXPORT_FORMAT_VERSION, "step": step,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    C library or the file system has no such call."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Put the finished folder ``tmp`` at ``out``. A previous export there is exchanged with it in
+    one step where the OS allows, else moved aside first, so a complete export is on disk at
+    every moment; the old one is deleted last."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous export
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    out.rename(old)  # onto the empty folder mkdtemp made
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def is_own_export(path: Path) -> bool:
+    """``path`` is a folder holding an export of ours and nothing else: the marker file (or, for
+    exports written before the marker, a spider_titan config.json) and only the names an export
+    writes."""
+    path = Path(path)
+    names = {p.name for p in path.iterdir()}
+    if _foreign(names):
+        return False
+    if MARKER_FILE in names:
+        return True
+    try:
+        return json.loads((path / CONFIG_FILE).read_text()).get("library") == "spider_titan"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _foreign(names: set[str]) -> list[str]:
+    """The names among ``names`` that an export never writes."""
+    ours = {CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, MARKER_FILE}
+    return sorted(n for n in names if n not in ours and not SHARD_RE.match(n))
+
+
+def _listing(path: Path, names: list[str], limit: int = 4) -> str:
+    shown = [n + ("/" if (path / n).is_dir() else "") for n in names[:limit]]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(shown) + more
+
+
+def check_export_target(out: Path, *, origin: str = "export", keep_out_of: Sequence[Path] = ()) -> None:
+    """ValueError (naming ``origin``, the folder, what is in it and the fix) unless writing an
+    export at ``out`` deletes nothing but a previous export: ``out`` is new, empty or an export of
+    ours, and is neither one of ``keep_out_of`` (checkpoint folders) nor inside or around one."""
+    out = Path(out)
+    where = out.resolve()
+    for folder in keep_out_of:
+        folder = Path(folder).resolve()
+        if where == folder or where in folder.parents or folder in where.parents:
+            how = "is" if where == folder else "holds" if where in folder.parents else "lies inside"
+            raise ValueError(
+                f"{origin}: {out} {how} the checkpoint folder {folder}; an export there would delete or mix "
+                f"with checkpoints: give a folder of its own, e.g. {folder.parent / 'export'}"
+            )
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{origin}: {out} is a file, not an export folder; give a new or empty folder")
+    names = sorted(p.name for p in out.iterdir())
+    if not names or is_own_export(out):
+        return
+    foreign = _foreign(set(names))
+    why = (f"files an export does not write ({_listing(out, foreign)})" if MARKER_FILE in names
+           else f"{_listing(out, names)}, not an export of spider_titan (no {MARKER_FILE})")
+    raise ValueError(
+        f"{origin}: {out} holds {why}; an export replaces its folder, so it would delete them: "
+        f"give a new or empty folder, e.g. {out / 'export'}"
+    )
 
 
 def export_checkpoint(
-    checkpoint: Path, out: Path, *, dtype: torch.dtype, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    checkpoint: Path,
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    origin: str = "export",
 ) -> Path:
-    """A DCP checkpoint (full or model-only, saved by any number of ranks) -> a safetensors export."""
-    tensors, meta = read_checkpoint_tensors(Path(checkpoint))
+    """A DCP checkpoint (full or model-only, saved by any number of ranks) -> a safetensors export.
+
+    ``out`` is checked before anything is read: it may not be, hold or lie inside the checkpoint
+    folder (the ``step-<N>`` folder's parent), and may hold nothing but a previous export."""
+    checkpoint = Path(checkpoint)
+    path = resolve_checkpoint(checkpoint, origin="checkpoint")
+    keep_out_of = [path.parent] if STEP_RE.match(path.name) else [path]
+    check_export_target(out, origin=origin, keep_out_of=keep_out_of)
+    tensors, meta = read_checkpoint_tensors(path)
     identity = ModelIdentity.from_json(meta["model"])
-    return write_export(tensors, identity, out, dtype=dtype, step=meta["step"], max_shard_bytes=max_shard_bytes)
+    return write_export(tensors, identity, out, dtype=dtype, step=meta["step"], max_shard_bytes=max_shard_bytes,
+                        origin=origin, keep_out_of=keep_out_of)
 
 
 def read_export_config(path: Path) -> dict[str, Any]:

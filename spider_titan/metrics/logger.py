@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,8 +24,11 @@ logger = logging.getLogger("spider_titan")
 # Dense bf16 peak TFLOP/s by device name substring, for MFU (vendor datasheets, no sparsity).
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0}
 
-# Console names: short and fixed-order for the first fields, the rest as they come.
-_CONSOLE_ORDER = ("elapsed_s", "eta_s", "loss", "bpb", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_gib")
+# Console: these fields first, in this order, on the step line; the rest (the model's own figures)
+# on indented lines below it, packed to at most CONSOLE_WIDTH characters each.
+_CONSOLE_ORDER = ("elapsed_s", "eta_s", "loss", "bpb", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s",
+                  "tflops", "mfu", "memory_gib")
+CONSOLE_WIDTH = 143  # + the 17-character "[rank0] HH:MM:SS " prefix: a line fits 160 columns
 
 
 def setup_logging(rank: int) -> None:
@@ -83,21 +88,57 @@ def _fmt(key: str, value: float) -> str:
     return f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}"
 
 
-class ConsoleLogger:
-    """``step N/total | elapsed | eta | loss ... | the rest``; counters meant for files are left out."""
+def _pack(parts: list[str], *, indent_first: bool) -> list[str]:
+    """``parts`` joined by `` | `` into lines of at most CONSOLE_WIDTH characters, the lines after
+    the first (and the first with ``indent_first``) indented under the step line."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 3 + len(part) <= CONSOLE_WIDTH:
+            lines[-1] += " | " + part
+        else:
+            lines.append(("    " if lines or indent_first else "") + part)
+    return lines
 
-    hidden = ("total_steps", "tokens_seen")
+
+class ConsoleLogger:
+    """``step N/total | elapsed | eta | loss ...``, then the model's own figures on indented lines
+    under it. Counters meant for plots (tokens seen, cumulative and per-byte FLOPs) are left to
+    metrics.jsonl and TensorBoard."""
+
+    hidden = ("total_steps", "tokens_seen", "train_flops", "flops_per_byte", "val_flops_per_byte")
+
+    def lines(self, step: int, scalars: dict[str, float]) -> list[str]:
+        """The console lines for one log call, none longer than ``CONSOLE_WIDTH``."""
+        first = [k for k in _CONSOLE_ORDER if k in scalars]
+        # a variant's val_loss is its val_bpb times ln 2: the console shows the bpb only
+        rest = sorted(k for k in scalars if k not in _CONSOLE_ORDER and k not in self.hidden
+                      and not (k.startswith("val_loss_") and "val_bpb_" + k[len("val_loss_"):] in scalars))
+        total = scalars.get("total_steps")
+        head = f"step {step:>{len(str(int(total)))}}/{int(total)}" if total else f"step {step}"
+        return (_pack([head] + [_fmt(k, scalars[k]) for k in first], indent_first=False)
+                + _pack([_fmt(k, scalars[k]) for k in rest], indent_first=True))
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        first = [k for k in _CONSOLE_ORDER if k in scalars]
-        rest = sorted(k for k in scalars if k not in _CONSOLE_ORDER and k not in self.hidden)
-        total = scalars.get("total_steps")
-        head = f"step {step:>6}/{int(total)}" if total else f"step {step:>6}"
-        parts = [head] + [_fmt(k, scalars[k]) for k in first + rest]
-        logger.info(" | ".join(parts))
+        for line in self.lines(step, scalars):
+            logger.info(line)
 
     def close(self) -> None:
         pass
+
+
+def shell_command(*args: str | Path) -> str:
+    """A command line that works when pasted in the current folder: paths inside it are shown
+    relative to it (``.venv/bin/python scripts/plot.py outputs/run``), others absolute, each
+    quoted for the shell. Pass ``sys.executable`` first so the interpreter that runs this program
+    (a venv's, with torch) is the one named, not whatever ``python`` is first on PATH."""
+    cwd = Path.cwd()
+    shown = []
+    for arg in args:
+        if isinstance(arg, Path):
+            path = Path(os.path.abspath(arg))
+            arg = str(path.relative_to(cwd)) if path.is_relative_to(cwd) else str(path)
+        shown.append(arg)
+    return shlex.join(shown)
 
 
 class TensorBoardLogger:

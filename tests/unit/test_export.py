@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -14,6 +18,7 @@ import torch
 
 from spider_titan.checkpoint.export import (
     INDEX_FILE,
+    export_checkpoint,
     full_model_state_dict,
     load_export_tensors,
     read_export_config,
@@ -224,3 +229,127 @@ def test_checkpoint_io_benchmark_reports_debug_and_1b(tmp_path, monkeypatch):
         assert big["estimated"] and big["checkpoint_gb"] == pytest.approx(12e-3 * big["params_m"], rel=0.01)
         assert big["save_s"] > 0 and big["load_s"] > 0
     assert not (tmp_path / "checkpoint_io").exists()
+
+
+# ---------------------------------------------------------------- no export deletes what it did not write
+
+
+def snapshot(root) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes: 'nothing changed' is 'the same snapshot after'."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def dense_identity() -> ModelIdentity:
+    return ModelIdentity.of("dense", "debug", registry.get("model", "dense").build_args("debug"))
+
+
+def export_script(checkpoint, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(checkpoint),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_script_refuses_the_checkpoint_folder_and_the_run_folder(trained):
+    """The two commands that deleted a run's checkpoints (and its config and metrics) exit 1 with
+    one line naming the folder and the fix, and leave every byte of the run as it was."""
+    _, dump = trained
+    before = snapshot(dump)
+    assert any(name.startswith("checkpoint/step-3/") for name in before)
+    for out, needle in [(dump / "checkpoint", "is the checkpoint folder"), (dump, "holds the checkpoint folder")]:
+        proc = export_script(dump / "checkpoint", out)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"export_safetensors: error: --out: {out} {needle} {dump / 'checkpoint'}; "), lines
+        assert lines[0].endswith(f"give a folder of its own, e.g. {dump / 'export'}") and "wrote" not in proc.stdout
+        assert snapshot(dump) == before
+    # the same from a step folder, and for a folder inside the checkpoint folder (in this process)
+    for checkpoint, out, needle in [(dump / "checkpoint" / "step-3", dump / "checkpoint", "is"),
+                                    (dump / "checkpoint", dump / "checkpoint" / "step-3" / "e", "lies inside")]:
+        with pytest.raises(ValueError, match=f"^--out: {out} {needle} the checkpoint folder"):
+            export_checkpoint(checkpoint, out, dtype=torch.float32, origin="--out")
+        assert snapshot(dump) == before
+
+
+def test_a_folder_of_other_files_is_refused_and_kept(trained, tmp_path):
+    _, dump = trained
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("[job]\n")
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "run" / "logs").mkdir()
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError) as err:
+        export_checkpoint(dump / "checkpoint", tmp_path / "run", dtype=torch.float32, origin="--out")
+    assert str(err.value) == (
+        f"--out: {tmp_path / 'run'} holds config.toml, logs/, metrics.jsonl, not an export "
+        f"of spider_titan (no .spider_titan_export); an export replaces its folder, so it would delete them: "
+        f"give a new or empty folder, e.g. {tmp_path / 'run' / 'export'}"
+    )
+    assert snapshot(tmp_path) == before
+    # an export with a file someone added to it: that file is not the export's to delete
+    out = tmp_path / "e"
+    write_export({"w": torch.ones(2)}, dense_identity(), out, dtype=torch.float32)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files an export does not write \(notes.txt\)"):
+        write_export({"w": torch.zeros(2)}, dense_identity(), out, dtype=torch.float32)
+    assert (out / "notes.txt").read_text() == "mine" and torch.equal(load_export_tensors(out)["w"], torch.ones(2))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not an export folder"):
+        write_export({"w": torch.zeros(2)}, dense_identity(), tmp_path / "file",
+                     dtype=torch.float32)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_reexport_replaces_its_own_export_whole(tmp_path, monkeypatch, exchange):
+    from spider_titan.checkpoint import export
+
+    if not exchange:
+        monkeypatch.setattr(export, "_exchange", lambda a, b: False)
+    identity = dense_identity()
+    out = tmp_path / "e"
+    out.mkdir()  # an empty folder is fine
+    write_export({"a": torch.ones(3), "b": torch.ones(2)}, identity, out, dtype=torch.float32, step=1,
+                 max_shard_bytes=8)
+    assert (out / INDEX_FILE).is_file() and json.loads((out / export.MARKER_FILE).read_text())["step"] == 1
+    write_export({"a": torch.zeros(3)}, identity, out, dtype=torch.float32, step=2)
+    assert sorted(p.name for p in out.iterdir()) == [export.MARKER_FILE, "config.json", "model.safetensors"]
+    assert torch.equal(load_export_tensors(out)["a"], torch.zeros(3)) and read_export_config(out)["step"] == 2
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # a folder like any other, not mkdtemp's 0700
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]  # no temporary sibling left
+    # an export written before the marker existed (config.json of spider_titan, export files only) is ours too
+    (out / export.MARKER_FILE).unlink()
+    write_export({"a": torch.full((3,), 7.0)}, identity, out, dtype=torch.float32, step=3)
+    assert read_export_config(out)["step"] == 3 and (out / export.MARKER_FILE).is_file()
+
+
+def test_a_crash_mid_write_leaves_the_previous_export(tmp_path, monkeypatch):
+    from spider_titan.checkpoint import export
+
+    identity = dense_identity()
+    out = tmp_path / "e"
+    write_export({"a": torch.ones(3)}, identity, out, dtype=torch.float32, step=1)
+    before = snapshot(tmp_path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export.safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_export({"a": torch.zeros(3)}, identity, out, dtype=torch.float32, step=2)
+    assert snapshot(tmp_path) == before  # the old export, and no temporary folder beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None or sys.prefix == sys.base_prefix, reason="needs make and a venv")
+def test_make_sample_reads_the_run_of_config_and_args(trained):
+    """`make sample` with CONFIG and ARGS finds the run's folder as the trainer does, and the sample
+    comes under a line saying where it is from. Run with this interpreter's venv, installing nothing."""
+    _, dump = trained
+    venv = Path(sys.prefix)
+    make = ["make", "-s", "-o", str(venv / ".spider_titan_installed"), "-o", str(venv / "bin" / "python"),
+            f"VENV={venv}", "CONFIG=train_configs/debug_dense.toml", f"ARGS=--job.dump_folder {shlex.quote(str(dump))}"]
+    proc = subprocess.run([*make, "sample", "SAMPLE_ARGS=--max_new_bytes 5 --temperature 0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    label, sample = proc.stdout.splitlines()[:2]
+    assert label == f"sample from {dump}/export (prompt 'def '):" and sample.startswith("def ")
