@@ -160,6 +160,35 @@ def test_sigterm_during_validation_mid_run_abandons_it_and_saves(tmp_path, in_pr
     assert [r["step"] for r in read_metrics(dump) if "loss" in r][-4:] == [3, 4, 5, 6]
 
 
+def worker_pid(launcher: int, rank: int) -> int:
+    """The pid of torchrun's worker with ``RANK=rank``."""
+    children = [int(pid) for task in Path(f"/proc/{launcher}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    for pid in children:
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} among {children}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
+def test_sigterm_to_one_rank_during_validation_stops_both_at_the_same_batch(tmp_path):
+    """Only rank 1 is signalled: the stop flag is all-reduced before every validation batch, so
+    rank 0 abandons the same validation, both write the step-2 checkpoint together, both exit 143."""
+    dump = tmp_path / "run"
+    cmd = SPIDER + MOCK + CKPT + LONG_VAL + ["--training.steps", "6", "--validation.freq", "2",
+                                             "--job.dump_folder", str(dump)]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "spider_titan.train"]
+    with Run(cmd, prefix=torchrun) as run:
+        run.wait_for(logged(2, 6))
+        os.kill(worker_pid(run.proc.pid, 1), signal.SIGTERM)
+        run.finish()
+    assert "[rank1]" in run.stdout and "SIGTERM received: stopping" in run.stdout
+    assert "[rank0] " in run.stdout and "SIGTERM: stopped at step 2 with a checkpoint" in run.stdout, run.stdout[-3000:]
+    assert "exitcode  : 143" in run.stderr, run.stderr[-3000:]  # torchrun's summary of the failed workers
+    assert not val_rows(dump)
+    assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
+
+
 # The real trainer, with a safetensors writer that writes its file and then hangs: the test's
 # signal lands inside the export writer, its temporary folder half done.
 SLOW_EXPORT_TRAINER = """
