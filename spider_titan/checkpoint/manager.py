@@ -320,7 +320,7 @@ class Checkpointer:
     # ------------------------------------------------------------ save
 
     def save_due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
-        """Whether :meth:`maybe_save` with the same arguments will write anything."""
+        """Whether :meth:`maybe_save` with the same arguments (or :meth:`export_at_end`) will write anything."""
         cfg = self.cfg
         return (cfg.enable and (last or stopping or step % cfg.interval == 0)) or (last and cfg.export_at_end)
 
