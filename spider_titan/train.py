@@ -22,7 +22,8 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -119,32 +120,79 @@ class StepHealth:
         return first_bad, first_empty, loss, norm
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal that does not wait for a step boundary (the end-of-run export, see
+    :meth:`StopSignal.at_once`); the process ends with 128 + ``signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_now(signum: int, line: str) -> None:
+    """Write ``line`` to stderr and end the process with 128 + ``signum`` at once: no traceback and no
+    clean-up that could hang (a save in flight, collectives with ranks that are gone: the launcher
+    stops those). A save cut short stays ``step-N.tmp-*``, which is never loaded and removed at start."""
+    for sig in STOP_SIGNALS:  # a third signal cannot interrupt the exit
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+    except (OSError, RuntimeError, ValueError):  # the signal may land inside a write to stdout
+        pass
+    os.write(2, (line + "\n").encode())
+    os._exit(128 + signum)
+
+
 class StopSignal:
     """SIGTERM / SIGINT (preemption, Ctrl-C) ask the run to stop at the next step boundary.
 
-    The handler only sets a flag; the train loop finishes its step, every rank agrees on the same
-    stop step (a max all-reduce over a CPU gloo group, so no GPU sync per step), a checkpoint is
-    written, and the process exits with 128 + the signal. A second signal interrupts at once.
-    Handlers are installed by the command-line entry point only (:meth:`install`): a Trainer built
-    inside another program (a test suite, a notebook) leaves that program's signals alone.
+    The handler only sets a flag; the train loop finishes its step (validation: its batch), every
+    rank agrees on the same stop point (a max all-reduce over a CPU gloo group, so no GPU sync per
+    step), a checkpoint is written, and the process exits with 128 + the signal. A second signal
+    exits at once with one line (:func:`exit_now`); inside :meth:`at_once` the first one raises
+    :class:`Interrupted`. Handlers are installed by the command-line entry point only
+    (:meth:`install`): a Trainer built inside another program (a test suite, a notebook) leaves
+    that program's signals alone.
     """
 
     def __init__(self, world_size: int):
-        self.signum: int | None = None
+        self.signum: int | None = None  # the stop asked for, here or (after :meth:`requested`) on another rank
+        self.received = 0  # signals this process got: another rank's does not make ours the second
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.previous = {}
+        self.raise_at_once = False
+        self.second_line: Callable[[str], str] = lambda name: f"{name} received again: stopped at once"
 
-    def install(self) -> None:
+    def install(self, second_line: Callable[[str], str] | None = None) -> None:
+        """Handle SIGTERM and SIGINT; ``second_line(signal name)`` is the line a second signal prints."""
+        if second_line is not None:
+            self.second_line = second_line
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # the second one: stop now
-            self.restore()
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        self.received += 1
+        if self.received > 1:  # the second one: stop now
+            exit_now(signum, self.second_line(name))
         self.signum = signum
-        logger.warning("%s received: stopping after this step", signal.Signals(signum).name)
+        if self.raise_at_once:
+            raise Interrupted(signum)
+        logger.warning("%s received: stopping after this step or validation batch (a second one stops at once)", name)
+
+    @contextmanager
+    def at_once(self):
+        """A first signal inside this block raises :class:`Interrupted` instead of waiting for a step
+        boundary: for work with no boundary to wait for (the end-of-run export)."""
+        self.raise_at_once = True
+        try:
+            yield
+        finally:
+            self.raise_at_once = False
 
     def requested(self) -> bool:
         flag = torch.tensor([self.signum or 0], dtype=torch.int64)
@@ -345,10 +393,11 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> dict[str, float] | None:
         """Loss and bits per byte on the validation split (the same batches every time), once per
         eval variant of the model (e.g. Spider at 1, 2, 4 loops); the plain variant also reports
-        the model's own figures (``val_<aux key>``)."""
+        the model's own figures (``val_<aux key>``). None when a stop signal came: it is checked
+        before every batch (one CPU all-reduce), and a validation cut short is not reported."""
         run = self.run
         loader = run.val_loader
         variants = run.spec.eval_variants(run.model_args) if run.spec.eval_variants is not None else [("", {})]
@@ -363,6 +412,9 @@ class Trainer:
             for i, (inputs, labels) in enumerate(loader):
                 if i >= max(steps, 1):
                     break
+                if self.stop.requested():
+                    run.model.train()
+                    return None
                 inputs, labels = inputs.to(run.device), labels.to(run.device)
                 with self._autocast():
                     out = run.model(inputs, **kwargs)
@@ -394,7 +446,8 @@ class Trainer:
         self.state.flops += flops
         return flops
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to ``training.steps``; the exit status: 0, or 128 + signal when a signal stopped the run."""
         run, cfg = self.run, self.cfg
         t = cfg.training
         local_tokens_per_step = t.local_batch_size * t.gradient_accumulation_steps * t.seq_len
@@ -410,6 +463,14 @@ class Trainer:
         val_time = 0.0
         interval_flops = 0.0
         self.throughput.reset()
+        if 0 < start_step == run.total_steps:  # resumed at the last step (a stop there): its end-of-run work remains
+            logger.info("step %d, the last, is trained: its validation, final save and export follow", start_step)
+            val = self.validate() if run.val_loader is not None else {}
+            if val is None:
+                return self._stop(start_step, ", during the final validation")
+            if val:
+                self._report_validation(start_step, val)
+            self.checkpointer.maybe_save(start_step, last=True)
         while self.state.step < run.total_steps:
             step = self.state.step + 1
             metrics = self.train_step(self.next_micro_batches(), step)
@@ -421,7 +482,7 @@ class Trainer:
             last = step == run.total_steps
             log_now = step % cfg.metrics.log_freq == 0 or step == start_step + 1 or last
             val_now = run.val_loader is not None and (step % cfg.validation.freq == 0 or last)
-            stopping = not last and self.stop.requested()
+            stopping = self.stop.requested()  # at the last step too: its validation and export may take minutes
             save_now = self.checkpointer.save_due(step, last=last, stopping=stopping)
             if log_now or val_now or save_now:
                 self.check_health(step)  # never log, validate or save past a bad step
@@ -449,28 +510,67 @@ class Trainer:
                 run.metric_logger.log(step, scalars)
                 self.throughput.reset()
                 interval_flops = 0.0
-            if val_now:
+            if val_now and not stopping:
                 t0 = time.perf_counter()
                 val = self.validate()
+                if val is None:  # a signal during validation: abandoned, nothing of it reported
+                    return self._stop(step, ", during its validation (not reported)")
                 val_time = time.perf_counter() - t0
                 remaining = run.total_steps - step
                 vals_left = remaining // cfg.validation.freq + 1 if remaining else 0
-                val.update(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops,
-                           elapsed_s=time.perf_counter() - self.t_start, total_steps=run.total_steps,
-                           eta_s=remaining * (step_time or 0.0) + vals_left * val_time)
-                run.metric_logger.log(step, val)
-                if self.best_val is None or val["val_bpb"] < self.best_val[0]:
-                    self.best_val = (val["val_bpb"], step)
+                self._report_validation(step, val, eta_s=remaining * (step_time or 0.0) + vals_left * val_time)
                 self.throughput.reset()
                 interval_flops = 0.0
-            self.checkpointer.maybe_save(step, last=last, stopping=stopping)
             if stopping:
-                if cfg.checkpoint.enable:
-                    logger.warning("stopped at step %d with a checkpoint; run the same command to resume", step)
-                else:
-                    logger.warning("stopped at step %d; nothing saved (checkpoint.enable = false)", step)
-                return
+                return self._stop(step, ", the last (resuming runs its end-of-run work)" if last else "")
+            self.checkpointer.maybe_save(step, last=last)
+        return self._export_at_end(self.state.step)
+
+    def _report_validation(self, step: int, val: dict[str, float], eta_s: float = 0.0) -> None:
+        val.update(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops,
+                   elapsed_s=time.perf_counter() - self.t_start, total_steps=self.run.total_steps, eta_s=eta_s)
+        self.run.metric_logger.log(step, val)
+        if self.best_val is None or val["val_bpb"] < self.best_val[0]:
+            self.best_val = (val["val_bpb"], step)
+
+    def _stop(self, step: int, where: str) -> int:
+        """A signal stopped the run after ``step``: save a full checkpoint there (a resume point, also at
+        the last step), say where it stopped and how to resume; the exit status."""
+        self.check_health(step)  # never save past a bad step
+        self.checkpointer.maybe_save(step, stopping=True)
+        name = signal.Signals(self.stop.signum).name
+        if self.rank == 0:
+            if self.cfg.checkpoint.enable:
+                logger.warning("%s: stopped at step %d with a checkpoint (%s)%s; resume with: %s", name, step,
+                               self.checkpointer.folder / f"step-{step}", where, self.command)
+            else:
+                logger.warning("%s: stopped at step %d%s; nothing saved (checkpoint.enable = false)", name, step, where)
+        return 128 + self.stop.signum
+
+    def _export_at_end(self, step: int) -> int:
+        """The end-of-run export (when asked for), then the closing lines; the exit status. A signal
+        before or during the export cuts it short (nothing half-written is left); the run is trained
+        and, with checkpointing, saved, so it ends with 0 and the command that writes the export."""
+        if self.cfg.checkpoint.export_at_end:
+            try:
+                if self.stop.requested():  # came during the final validation or save
+                    raise Interrupted(self.stop.signum)
+                with self.stop.at_once():
+                    self.checkpointer.export_at_end(step)
+            except Interrupted:
+                saved = self.checkpointer.folder / f"step-{step}"
+                if not (self.cfg.checkpoint.enable and saved.is_dir()):
+                    return self._stop(step, ", the last, in its export")
+                out, dtype = self.dump_folder / "export", self.cfg.checkpoint.export_dtype
+                write = shlex.join([sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(saved),
+                                    "--out", str(out), *([] if dtype == "float32" else ["--dtype", dtype])])
+                if self.rank == 0:
+                    logger.warning("%s: the run is finished and saved (%s), but its export is incomplete (%s not "
+                                   "written); write it with: %s", signal.Signals(self.stop.signum).name, saved, out,
+                                   write)
+                return 0
         self.log_end_block()
+        return 0
 
     def log_end_block(self) -> None:
         """What the run produced and how to use it, once at the end."""
@@ -529,6 +629,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = "python -m spider_titan.train " + shlex.join(argv)
     trainer = None
+    if from_cli:  # until the trainer takes over, and once it has closed, a signal stops the program at once
+
+        def stop_now(signum, frame) -> None:
+            name = signal.Signals(signum).name
+            if trainer is not None:
+                exit_now(signum, f"{name} received while closing the run: stopped at once; its checkpoints are complete")
+            for sig in STOP_SIGNALS:  # start-up unwinds (removing what it had begun); a second signal exits at once
+                signal.signal(sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once"))
+            raise Interrupted(signum)
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, stop_now)
     try:
         try:
             trainer = Trainer(cfg, command=command)
@@ -537,16 +649,25 @@ def main(argv: list[str] | None = None) -> int:
             logger.debug("start-up failed", exc_info=True)
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except Interrupted as e:  # during start-up: nothing trained, nothing to save
+            print(f"{e} received during start-up: stopped before training, nothing saved; run the same command "
+                  "to start again", file=sys.stderr)
+            return 128 + e.signum
         if from_cli:
-            trainer.stop.install()
+            def second_line(name: str) -> str:
+                saved = (f"the newest complete checkpoint in {trainer.checkpointer.folder} is kept (a save in progress "
+                         f"is not); resume with: {command}") if cfg.checkpoint.enable else "nothing saved"
+                return f"{name} received again: stopped at once after step {trainer.state.step}; {saved}"
+
+            trainer.stop.install(second_line)
         try:
-            trainer.train()
+            code = trainer.train()
         except (FloatingPointError, NoLabelsError) as e:  # a diverged run or empty data: say where
             if trainer.rank == 0:  # every rank stops at the same step with the same message
                 print(f"error: {e}", file=sys.stderr)
             return 1
-        if trainer.stop.signum is not None:
-            return 128 + trainer.stop.signum
+        if code:
+            return code
     finally:
         if trainer is not None:
             trainer.close()

@@ -320,12 +320,12 @@ class Checkpointer:
     # ------------------------------------------------------------ save
 
     def save_due(self, step: int, *, last: bool = False, stopping: bool = False) -> bool:
-        """Whether :meth:`maybe_save` with the same arguments will write anything."""
+        """Whether :meth:`maybe_save` with the same arguments (or :meth:`export_at_end`) will write anything."""
         cfg = self.cfg
         return (cfg.enable and (last or stopping or step % cfg.interval == 0)) or (last and cfg.export_at_end)
 
     def maybe_save(self, step: int, *, last: bool = False, stopping: bool = False) -> None:
-        """Save when ``step`` is on the interval or the last one; on the last, export if asked.
+        """Save when ``step`` is on the interval or the last one (then :meth:`export_at_end` follows).
 
         ``stopping``: the run ends early after this step (a signal): save a full checkpoint now,
         on the interval or not, and wait for it.
@@ -338,8 +338,23 @@ class Checkpointer:
             else:
                 # the last save is synchronous: the process ends right after it
                 self.save(step, asynchronous=cfg.async_mode == "async" and not (last or stopping))
-        if last and cfg.export_at_end:
-            self.export(self.dump_folder / "export", step=step)
+
+    def export_at_end(self, step: int) -> None:
+        """The end-of-run export to ``<dump_folder>/export``. Interrupted (KeyboardInterrupt: a stop
+        signal), it leaves nothing half-written: what the writer had begun beside ``export`` is removed,
+        and the previous export, if any, stays (unless the writer was caught between moving it away
+        and moving the new one in: then nothing is touched)."""
+        out = self.dump_folder / "export"
+        before = set(self.dump_folder.iterdir()) if self.rank == 0 else set()
+        try:
+            self.export(out, step=step)
+        except KeyboardInterrupt:
+            if self.rank == 0 and out.exists() == (out in before):
+                for path in set(self.dump_folder.iterdir()) - before:
+                    if path.name.startswith(out.name) and path != out:
+                        shutil.rmtree(path) if path.is_dir() else path.unlink()
+                        logger.info("export: removed %s, left by the interrupted export", path)
+            raise
 
     def save(self, step: int, *, model_only: bool = False, asynchronous: bool = False) -> None:
         """Write ``step-<step>`` (full, or the model only in ``export_dtype``); at most one save in flight."""
