@@ -98,22 +98,62 @@ def compare_identity(saved: ModelIdentity, current: ModelIdentity, where: str) -
 # ---------------------------------------------------------------- folders
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint whose files cannot be read (truncated, overwritten, missing): resuming falls back
+    past it to an older one; everywhere else it is one line naming the folder."""
+
+
 def is_complete(path: Path) -> bool:
     """A committed checkpoint: final name, DCP metadata and meta.json present."""
     return STEP_RE.match(path.name) is not None and (path / ".metadata").is_file() and (path / META_FILE).is_file()
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """``meta.json`` of a checkpoint folder; ValueError when it is unreadable or of another format."""
+    """``meta.json`` of a checkpoint folder; DamagedCheckpointError when it is unreadable, not what
+    this code writes, or of another format."""
+    file = path / META_FILE
     try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable {META_FILE} ({e}); the checkpoint is damaged") from None
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise DamagedCheckpointError(f"{file}: unreadable ({_short(e)}); the checkpoint is damaged") from None
+    if not isinstance(meta, dict):
+        raise DamagedCheckpointError(f"{file}: holds a JSON {type(meta).__name__}, not an object; the checkpoint is damaged")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: checkpoint format {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        raise DamagedCheckpointError(
+            f"{file}: checkpoint format {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        )
+    kinds = {"step": int, "contents": list, "model": dict, "files": dict}
+    wrong = [k for k, kind in kinds.items() if k in meta and not isinstance(meta[k], kind)]
+    missing = [k for k in ("step", "contents", "model") if k not in meta]
+    if wrong or missing:
+        raise DamagedCheckpointError(
+            f"{file}: {'missing ' + str(missing) if missing else ''}{' ' if missing and wrong else ''}"
+            f"{'wrong type of ' + str(wrong) if wrong else ''}; the checkpoint is damaged"
         )
     return meta
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1][:200] if text else ''}"
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    """name -> size of every file in a checkpoint folder, recorded in meta.json as ``files``."""
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != META_FILE}
+
+
+def damaged_files_reason(path: Path, meta: dict[str, Any]) -> str | None:
+    """Why the folder's files differ from those meta.json recorded when saved (a missing or cut file),
+    or None. Checks names and sizes only (no read): cheap enough to run before every load."""
+    for name, size in sorted(meta.get("files", {}).items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        now = file.stat().st_size
+        if now != size:
+            return f"{file} has {now} bytes, {size} when saved (truncated or overwritten)"
+    return None
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -128,17 +168,34 @@ def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def good_checkpoint_reason(path: Path) -> str | None:
-    """None for a checkpoint that may be resumed from; else why not (for the log)."""
+def damage_reason(path: Path) -> str | None:
+    """Why a checkpoint folder is damaged (meta.json unreadable, a file missing or cut), or None."""
     try:
         meta = read_meta(path)
     except ValueError as e:
         return str(e)
+    return damaged_files_reason(path, meta)
+
+
+def good_checkpoint_reason(path: Path) -> str | None:
+    """None for a checkpoint that may be resumed from; else why not (for the log)."""
+    damage = damage_reason(path)
+    if damage is not None:
+        return damage
+    meta = read_meta(path)
     if meta.get("model_only"):
         return "it holds the model only (a final save)"
     if meta.get("finite") is not True:
         return "it is not marked finite (saved before finiteness checks existed)"
     return None
+
+
+def is_model_only(path: Path) -> bool:
+    """A final, weights-only save (False when its meta.json cannot be read)."""
+    try:
+        return bool(read_meta(path).get("model_only"))
+    except ValueError:
+        return False
 
 
 def resolve_checkpoint(path: Path, *, origin: str, prefer_full: bool = False) -> Path:
@@ -162,5 +219,5 @@ def resolve_checkpoint(path: Path, *, origin: str, prefer_full: bool = False) ->
     found = [p for _, p in list_checkpoints(path)]
     if not found:
         raise FileNotFoundError(f"{origin}: no complete checkpoint (step-<N>/ with {META_FILE}) in {path}")
-    full = [p for p in found if not read_meta(p).get("model_only")]
+    full = [p for p in found if good_checkpoint_reason(p) is None]
     return full[-1] if prefer_full and full else found[-1]
