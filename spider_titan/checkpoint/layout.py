@@ -115,7 +115,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(file.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
-        raise DamagedCheckpointError(f"{file}: unreadable ({_short(e)}); the checkpoint is damaged") from None
+        raise DamagedCheckpointError(f"{file}: unreadable ({first_cause(e)}); the checkpoint is damaged") from None
     if not isinstance(meta, dict):
         raise DamagedCheckpointError(f"{file}: holds a JSON {type(meta).__name__}, not an object; the checkpoint is damaged")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -133,9 +133,16 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _short(e: BaseException) -> str:
+def first_cause(e: BaseException) -> str:
+    """One line for an exception, looking through DCP's per-rank wrapper (``CheckpointException``)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))
+        if isinstance(e, tuple):  # (exception, traceback) in some torch versions
+            e = e[0]
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1][:200] if text else ''}"
+    line = text[-1] if text else ""
+    return f"{type(e).__name__}: {line[:200] + '...' if len(line) > 200 else line}"
 
 
 def file_sizes(path: Path) -> dict[str, int]:

@@ -85,6 +85,7 @@ from spider_titan.checkpoint.layout import (
     compare_identity,
     damage_reason,
     file_sizes,
+    first_cause,
     good_checkpoint_reason,
     is_complete,
     is_model_only,
@@ -354,7 +355,7 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as e:  # a BaseException wrapping every rank's failure
             failure = e
         if not self._all_ranks(failure is None):
-            cause = _first_cause(failure) if failure is not None else "another rank could not load it"
+            cause = first_cause(failure) if failure is not None else "another rank could not load it"
             raise DamagedCheckpointError(f"{where} cannot be loaded: {cause}") from failure
         if self.rank == 0:
             logger.info(
@@ -582,19 +583,7 @@ def _read_dcp_metadata(path: Path) -> dict[str, Any]:
             raise TypeError(f"holds a {type(metadata).__name__}")
         return metadata
     except Exception as e:
-        raise DamagedCheckpointError(f"{path / '.metadata'}: unreadable ({_first_cause(e)}); the checkpoint is damaged") from None
-
-
-def _first_cause(e: BaseException) -> str:
-    """One line for an exception, looking through DCP's per-rank wrapper."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        e = next(iter(failures.values()))
-        if isinstance(e, tuple):  # (exception, traceback) in some torch versions
-            e = e[0]
-    text = str(e).strip().splitlines()
-    line = text[-1] if text else ""
-    return f"{type(e).__name__}: {line[:200] + '...' if len(line) > 200 else line}"
+        raise DamagedCheckpointError(f"{path / '.metadata'}: unreadable ({first_cause(e)}); the checkpoint is damaged") from None
 
 
 def build_checkpointer(cfg, run: "Run", train_state: Stateful) -> Checkpointer:
