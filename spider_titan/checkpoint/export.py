@@ -88,7 +88,7 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model.") -> tuple[dict[st
     newest complete one)."""
     path = resolve_checkpoint(Path(path), origin="checkpoint")
     meta = read_meta(path)
-    damage = damaged_files_reason(path, meta)
+    damage = damaged_files_reason(path, meta, verify=list(meta.get("files", {})))
     if damage is not None:
         raise DamagedCheckpointError(f"{damage}; the checkpoint is damaged: use another step")
     try:

@@ -84,7 +84,9 @@ from spider_titan.checkpoint.layout import (
     ModelIdentity,
     compare_identity,
     damage_reason,
-    file_sizes,
+    damaged_files_reason,
+    checksum,
+    file_records,
     first_cause,
     good_checkpoint_reason,
     is_complete,
@@ -92,6 +94,7 @@ from spider_titan.checkpoint.layout import (
     list_checkpoints,
     read_meta,
     resolve_checkpoint,
+    share,
 )
 from spider_titan.errors import WriteFailed, describe_os_error, find_os_error
 from spider_titan.models.common import DTYPES
@@ -325,6 +328,10 @@ class Checkpointer:
         problem: DamagedCheckpointError | None = None
         try:
             meta = read_meta(path)
+            files = list(meta.get("files", {}))
+            damage = damaged_files_reason(path, meta, verify=share(files, self.rank, self.world_size))
+            if damage is not None:
+                raise DamagedCheckpointError(damage)
             saved = _read_dcp_metadata(path)
         except DamagedCheckpointError as e:
             problem = e
@@ -488,10 +495,14 @@ class Checkpointer:
             self.wait()
 
     def _commit(self, save: _Save) -> None:
-        """Rank 0: meta.json, then the rename that makes the checkpoint visible, then pruning."""
+        """Rank 0: checksums of the files, meta.json, then the rename that makes the checkpoint
+        visible, then pruning. Rank 0 reads every file back for the checksums (no collective: an
+        async save is committed whenever rank 0 finds it done); at zlib's 6 GB/s that is 2-3 s
+        for a 1B model's 12 GB with AdamW state, once per save, never per step."""
         if self.rank != 0:
             return
-        save.meta["files"] = file_sizes(save.tmp)  # checked before every load: a cut file is seen at once
+        crcs = {f.name: checksum(f) for f in save.tmp.iterdir() if f.is_file()}
+        save.meta["files"] = file_records(save.tmp, crcs)  # checked before every load
         (save.tmp / META_FILE).write_text(json.dumps(save.meta, indent=1))
         if save.final.exists():  # the same step saved again (a run resumed from an earlier step)
             old = save.final.with_name(f"{save.final.name}.tmp-{self.token}-old")
