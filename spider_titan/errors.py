@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 # errno -> (what happened, what to do; {setting} is the flag or key that names the folder)
@@ -89,7 +90,7 @@ def is_out_of_memory(e: BaseException) -> bool:
 def describe_out_of_memory(e: BaseException, where: str) -> str:
     """``<where>: out of memory (<first line of torch's message>); <the knobs that need less>``."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    first = first.split("] . ")[-1]  # drop the C++ "[enforce fail at alloc_cpu.cpp:117] . " prefix
+    first = re.sub(r"^\[enforce fail at [^\]]*\][^.]*\.\s*", "", first)  # "[enforce fail at alloc_cpu.cpp:127] err == 0. "
     if len(first) > 160:
         first = first[:157] + "..."
     return (

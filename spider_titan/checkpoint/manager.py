@@ -575,9 +575,9 @@ class Checkpointer:
         cause = find_os_error(e, out)
         if cause is None:
             raise e
-        good = self._newest_good()
-        later = (f"; the checkpoint {good[1]} is saved: export it later with python scripts/export_safetensors.py "
-                 f"--checkpoint {good[1]} --out {out}") if good is not None else ""
+        saved = list_checkpoints(self.folder) if self.cfg.enable else []
+        later = (f"; the checkpoint {saved[-1][1]} is saved: export it later with python scripts/export_safetensors.py "
+                 f"--checkpoint {saved[-1][1]} --out {out}") if saved else ""
         raise WriteFailed(f"export at step {step} not written ({describe_os_error(cause, out)}){later}") from e
 
     def close(self) -> None:
