@@ -310,13 +310,14 @@ class Checkpointer:
                 return step, path
         return None
 
-    def _all_ranks(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (one all-reduce): ranks agree on which checkpoint loads."""
+    def _agree(self, problem: str | None) -> str | None:
+        """The first rank's problem with a checkpoint, or None when every rank loaded it (one gather,
+        at load time only): all ranks take the same decision, and rank 0 logs the reason."""
         if not self.distributed:
-            return ok
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return not flag.item()
+            return problem
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, problem, group=self.group)
+        return next((p for p in everyone if p is not None), None)
 
     def latest_good(self) -> tuple[int, Path] | None:
         """(step, path) of the newest checkpoint this run could resume from, or None."""
@@ -325,7 +326,7 @@ class Checkpointer:
 
     def _load(self, path: Path, *, model_only: bool, origin: str) -> int:
         where = f"{origin}: {path}"
-        problem: DamagedCheckpointError | None = None
+        problem: DamagedCheckpointError | None = None  # found on this rank; the ranks then agree
         try:
             meta = read_meta(path)
             files = list(meta.get("files", {}))
@@ -335,8 +336,9 @@ class Checkpointer:
             saved = _read_dcp_metadata(path)
         except DamagedCheckpointError as e:
             problem = e
-        if not self._all_ranks(problem is None):
-            raise problem or DamagedCheckpointError(f"{path}: another rank could not read it")
+        agreed = self._agree(None if problem is None else str(problem))
+        if agreed is not None:
+            raise DamagedCheckpointError(agreed)
         diffs = compare_identity(ModelIdentity.from_json(meta["model"]), self.identity, where)
         if diffs and self.rank == 0:
             logger.warning("checkpoint %s: model args differ, the weights fit: %s", path, ", ".join(diffs))
@@ -361,9 +363,9 @@ class Checkpointer:
             dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # a BaseException wrapping every rank's failure
             failure = e
-        if not self._all_ranks(failure is None):
-            cause = first_cause(failure) if failure is not None else "another rank could not load it"
-            raise DamagedCheckpointError(f"{where} cannot be loaded: {cause}") from failure
+        agreed = self._agree(None if failure is None else f"{where} cannot be loaded: {first_cause(failure)}")
+        if agreed is not None:
+            raise DamagedCheckpointError(agreed) from failure
         if self.rank == 0:
             logger.info(
                 "checkpoint: loaded %s from %s (step %d) in %.2f s",
