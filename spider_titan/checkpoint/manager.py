@@ -24,8 +24,9 @@ Never a non-finite state: before writing, every floating tensor of the model and
 is checked (one pass, all ranks agree); a non-finite one stops the save with FloatingPointError.
 Auto-resume and ``load_step`` take the newest checkpoint marked finite (at or before
 ``load_step``) that loads, and log each newer one they pass over and why: one whose meta.json
-is unreadable, whose files differ from the names and sizes meta.json recorded (``files``), or
-whose ``.metadata`` or data fail to load (every rank takes part in the decision, so all agree).
+is unreadable, whose files differ from the names, sizes and CRC-32s meta.json recorded (``files``;
+each rank checks a share of the files), or whose ``.metadata`` or data fail to load (the ranks
+gather their reasons, so all agree on the checkpoint they load).
 
 Crash safety: every rank writes into ``step-N.tmp-<token>``. ``dcp.save`` returns on rank 0 only
 after it has gathered every rank's write results and written ``.metadata``, so at that point the
@@ -82,10 +83,10 @@ from spider_titan.checkpoint.layout import (
     TMP_RE,
     DamagedCheckpointError,
     ModelIdentity,
+    checksum,
     compare_identity,
     damage_reason,
     damaged_files_reason,
-    checksum,
     file_records,
     first_cause,
     good_checkpoint_reason,
@@ -596,7 +597,9 @@ def _read_dcp_metadata(path: Path) -> dict[str, Any]:
             raise TypeError(f"holds a {type(metadata).__name__}")
         return metadata
     except Exception as e:
-        raise DamagedCheckpointError(f"{path / '.metadata'}: unreadable ({first_cause(e)}); the checkpoint is damaged") from None
+        raise DamagedCheckpointError(
+            f"{path / '.metadata'}: unreadable ({first_cause(e)}); the checkpoint is damaged"
+        ) from None
 
 
 def build_checkpointer(cfg, run: "Run", train_state: Stateful) -> Checkpointer:

@@ -108,8 +108,8 @@ def test_two_ranks_fall_back_past_a_changed_file_only_one_rank_checks(two_ranks,
         f.seek(f.seek(0, 2) // 2)
         f.write(b"\x7f\xff\xff\xff")
     older = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoint" / "step-3").iterdir()}
-    proc = run_train(args(tmp_path / "run", 8, "--training.local_batch_size", "2", *CKPT, "--checkpoint.interval", "100"),
-                     nprocs=2)
+    proc = run_train(args(tmp_path / "run", 8, "--training.local_batch_size", "2", *CKPT,
+                          "--checkpoint.interval", "100"), nprocs=2)
     check_ok(proc)
     assert f"skipping {step6}: {step6 / '__0_0.distcp'}: its contents changed" in proc.stdout, proc.stdout[-3000:]
     assert "step-3 (step 3)" in proc.stdout

@@ -13,7 +13,6 @@ import dataclasses
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -335,7 +334,8 @@ def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
 
 # ---------------------------------------------------------------- disk, memory, damaged checkpoints (issue 20)
 
-CKPT = MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only", "false"]
+CKPT = MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1",
+               "--checkpoint.last_save_model_only", "false"]
 
 
 def _train(args: list[str], dump: Path, capsys) -> tuple[int, str, list[str]]:
@@ -424,7 +424,8 @@ def test_disk_full_during_the_end_of_run_export(tmp_path, in_process, capsys, mo
     step2 = dump / "checkpoint" / "step-2"
     assert code == 1 and len(lines) == 1, lines
     assert lines[0].startswith("error: export at step 2 not written") and str(dump / "export") in lines[0], lines
-    assert "no space left on device (ENOSPC)" in lines[0] and f"--checkpoint {step2} --out {dump / 'export'}" in lines[0]
+    assert "no space left on device (ENOSPC)" in lines[0]
+    assert f"--checkpoint {step2} --out {dump / 'export'}" in lines[0]
     assert not (dump / "export").exists() and finite_checkpoint(step2)
 
 
