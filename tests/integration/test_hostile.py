@@ -674,3 +674,27 @@ def test_generate_takes_any_prompt_bytes(export_dir, tmp_path):
         assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
     assert by_arg.stdout.startswith("café ".replace("é", "\ufffd").encode())  # shown as U+FFFD, not an error
     assert by_file.stdout == by_stdin.stdout and by_file.stdout.startswith(by_arg.stdout[:8])
+
+
+def test_disk_full_on_a_real_tmpfs(tmp_path, in_process, capsys):
+    """The real thing where a mount is allowed (root with CAP_SYS_ADMIN): a 5 MB tmpfs holds the first
+    3.2 MB checkpoint but not the second; torch reports "unexpected pos", the run names ENOSPC."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        dense = ["--job.config_file", "train_configs/debug_dense.toml", "--model.n_layers", "1", "--training.seq_len",
+                 "32", "--training.local_batch_size", "1", "--validation.enable", "false",
+                 "--metrics.enable_tensorboard", "false", "--checkpoint.export_at_end", "false"]
+        with torch.random.fork_rng():
+            code = main(dense + CKPT + ["--training.steps", "3", "--job.dump_folder", str(disk / "run")])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("error: checkpoint step 2 not saved") and "(ENOSPC" in lines[0], lines
+        assert sorted(p.name for p in (disk / "run" / "checkpoint").iterdir()) == ["step-1"]
+        assert finite_checkpoint(disk / "run" / "checkpoint" / "step-1")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
