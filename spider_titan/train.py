@@ -32,7 +32,7 @@ from spider_titan.checkpoint import build_checkpointer
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
-from spider_titan.errors import describe_failure
+from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import Throughput, format_duration, memory_gib, peak_flops, setup_logging
 from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
@@ -528,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         if line is None:
             raise
         logger.debug("failed", exc_info=True)
-        print(f"error: {line}", file=sys.stderr)
+        if trainer is None or trainer.rank == 0 or not isinstance(e, WriteFailed):  # saves fail on every rank
+            print(f"error: {line}", file=sys.stderr)
         return 1
     finally:
         if trainer is not None:
