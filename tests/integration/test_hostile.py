@@ -698,3 +698,22 @@ def test_disk_full_on_a_real_tmpfs(tmp_path, in_process, capsys):
         assert finite_checkpoint(disk / "run" / "checkpoint" / "step-1")
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_export_to_a_full_disk(tmp_path, in_process, capsys, monkeypatch):
+    import safetensors.torch
+
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "1"], dump, capsys)[0] == 0
+    before = snapshot(dump)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    out = tmp_path / "ex"
+    code, _, lines = _script_main("export_safetensors", ["--checkpoint", str(dump / "checkpoint"), "--out", str(out)],
+                                  capsys)
+    assert code == 1 and len(lines) == 1, lines
+    assert f"{out}: no space left on device (ENOSPC)" in lines[0] and "--out" in lines[0], lines
+    assert not out.exists() and snapshot(dump) == before
