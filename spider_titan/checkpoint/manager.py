@@ -584,8 +584,14 @@ class Checkpointer:
         raise WriteFailed(f"export at step {step} not written ({describe_os_error(cause, out)}){later}") from e
 
     def close(self) -> None:
-        """Wait for the save in flight so the last checkpoint is committed before the process ends."""
-        self.wait()
+        """Wait for the save in flight so the last checkpoint is committed before the process ends.
+
+        One is in flight here only when the run stopped on another error (every normal end saves
+        synchronously, after waiting): a failure of it is logged, not raised over that error."""
+        try:
+            self.wait()
+        except WriteFailed as e:
+            logger.error("%s", e)
 
 
 def _read_dcp_metadata(path: Path) -> dict[str, Any]:

@@ -381,7 +381,7 @@ def test_read_only_dump_folder(tmp_path):
 SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
 
 
-@pytest.mark.parametrize("failure", ["enospc", "edquot", "short-write"])
+@pytest.mark.parametrize("failure", ["enospc", "edquot", "short-write", "enospc-async"])
 def test_disk_full_during_a_checkpoint_save(failure, tmp_path, in_process, capsys, monkeypatch):
     """The writer fails on the second save: one line (ENOSPC or EDQUOT named; torch's "unexpected pos"
     on a full disk read as ENOSPC), exit 1, no partial folder, the first checkpoint byte-identical."""
@@ -397,13 +397,14 @@ def test_disk_full_during_a_checkpoint_save(failure, tmp_path, in_process, capsy
     def full_disk(*args, **kwargs):
         if failure == "short-write":
             raise RuntimeError(SHORT_WRITE)
-        code = errno.ENOSPC if failure == "enospc" else errno.EDQUOT
+        code = errno.EDQUOT if failure == "edquot" else errno.ENOSPC
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(dcp_fs, "_write_item", full_disk)
     if failure == "short-write":  # the disk as torch leaves it: full
         monkeypatch.setattr(errors, "free_bytes", lambda path: 0)
-    code, _, lines = _train(CKPT + ["--training.steps", "3"], dump, capsys)
+    mode = ["--checkpoint.async_mode", "async"] if failure == "enospc-async" else []  # fails in a thread
+    code, _, lines = _train(CKPT + mode + ["--training.steps", "3"], dump, capsys)
     monkeypatch.setattr(dcp_fs, "_write_item", real)
     named = "disk quota exceeded (EDQUOT)" if failure == "edquot" else "no space left on device (ENOSPC)"
     assert code == 1 and len(lines) == 1, lines
