@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spider_titan.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint  # noqa: E402
+from spider_titan.errors import describe_os_error, find_os_error  # noqa: E402
 from spider_titan.models.common import DTYPES  # noqa: E402
 
 
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> None:
                                 max_shard_bytes=args.max_shard_size, origin="--out")
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"export_safetensors: error: {e}")
+    except Exception as e:  # a full or read-only --out: torch and safetensors word a short write their own way
+        cause = find_os_error(e, Path(args.out))
+        if cause is None:
+            raise
+        sys.exit(f"export_safetensors: error: {describe_os_error(cause, Path(args.out), setting='--out')}")
     print(f"wrote {out}")
 
 

@@ -2,16 +2,20 @@
 
     python scripts/generate.py --model exports/dense --prompt "def main(" --max_new_bytes 200
     python scripts/generate.py --model outputs/debug_dense/export --prompt "The " --temperature 0 # greedy
+    printf 'any \xff bytes' | python scripts/generate.py --model exports/dense --prompt_file -
 
 The model named in the export's config.json is rebuilt through the registry and fed
 ``[BOS] + prompt bytes``; each next byte is greedy (``--temperature 0``) or drawn at
 ``--temperature`` from the ``--top_k`` most likely bytes (0 = all), until EOS or
-``--max_new_bytes``. The work is done by :mod:`spider_titan.generation`.
+``--max_new_bytes``. The model reads bytes, so the prompt is taken as the raw bytes of the
+argument (any byte string, UTF-8 or not) or of ``--prompt_file``. The work is done by
+:mod:`spider_titan.generation`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,15 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from spider_titan.generation import check_sampling, generate, load_model, resolve_device  # noqa: E402
 from spider_titan.models.common import DTYPES  # noqa: E402
-from spider_titan.generation import generate, load_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, metavar="DIR", help="export folder (config.json + model.safetensors)")
-    p.add_argument("--prompt", default="", help="text to continue (default: empty, start of a document)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (default: empty, start of a document)")
+    prompt.add_argument("--prompt_file", metavar="PATH", help="read the prompt's bytes from this file (- = stdin)")
     p.add_argument("--max_new_bytes", type=int, default=256, help="most bytes to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely bytes; 0 = all (default 0)")
@@ -39,18 +45,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def read_prompt(args: argparse.Namespace) -> bytes:
+    """The prompt's bytes: the argument as the OS passed it (os.fsencode undoes Python's decoding,
+    so a non-UTF-8 argument is not an error), or the file's or stdin's bytes."""
+    if args.prompt_file is None:
+        return os.fsencode(args.prompt)
+    if args.prompt_file == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(args.prompt_file).read_bytes()
+    except OSError as e:
+        raise ValueError(f"--prompt_file {args.prompt_file}: {e.strerror}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Load the export, sample, print the prompt and its continuation; a user error exits with one line."""
     args = parse_args(argv)
     try:
-        model, config = load_model(Path(args.model), device=args.device, dtype=DTYPES[args.dtype])
+        check_sampling(temperature=args.temperature, top_k=args.top_k, max_new_bytes=args.max_new_bytes)
+        device = resolve_device(args.device)
+        prompt = read_prompt(args)
+        model, config = load_model(Path(args.model), device=device, dtype=DTYPES[args.dtype])
+        out = generate(
+            model, prompt, max_new_bytes=args.max_new_bytes, temperature=args.temperature,
+            top_k=args.top_k, seed=args.seed, context_len=config["model"]["args"].get("max_seq_len"),
+        )
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"generate: error: {e}")
-    out = generate(
-        model, args.prompt.encode("utf-8"), max_new_bytes=args.max_new_bytes, temperature=args.temperature,
-        top_k=args.top_k, seed=args.seed, context_len=config["model"]["args"].get("max_seq_len"),
-    )
-    print(args.prompt + out.decode("utf-8", errors="replace"))
+    # bytes -> text for the terminal; invalid UTF-8 (in the prompt or drawn) shows as U+FFFD
+    print((prompt + out).decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

@@ -3,40 +3,181 @@
 :func:`load_model` rebuilds the model named in the export's config.json through its registry
 ``ModelSpec`` (on the meta device, then materialised so buffers that are not saved, such as RoPE
 tables, exist), and loads the tensors strictly: no training state and no file of the run needed.
+An export edited or damaged by hand (bad JSON, missing or mistyped args, an unknown model or
+flavor, a missing, cut or reshaped tensor, non-finite weights) is a ValueError naming the file
+and the key or tensor, which ``scripts/generate.py`` prints as one line.
 
 :func:`generate` recomputes the whole forward for every new byte. That is exact for every model in
 the registry (Spider's segmentation of the prefix can change as it grows) at O(T^2) cost, which
 is fine for the few hundred bytes of a sample. The choice of the next byte (:func:`sample_next`) is
-greedy at ``temperature <= 0``, else a softmax at ``temperature`` over the ``top_k`` best logits
+greedy at ``temperature == 0``, else a softmax at ``temperature`` over the ``top_k`` best logits
 (all when 0). Only bytes and EOS can be drawn; EOS ends the sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch import nn
 
-from spider_titan.checkpoint.export import load_export_tensors, read_export_config
+from spider_titan.checkpoint.export import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    load_export_tensors,
+    read_export_config,
+)
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.models.common import BOS_ID, EOS_ID, VOCAB_SIZE
+
+# ids a sample can draw: the 256 bytes and EOS (the range of top_k)
+DRAWABLE = 257
+REEXPORT = "re-export it with scripts/export_safetensors.py"
+
+
+def check_sampling(*, temperature: float, top_k: int, max_new_bytes: int) -> None:
+    """ValueError naming the flag when a sampling setting is out of range (before any model is loaded)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature {temperature}: must be a finite number >= 0 (0 = greedy)")
+    if not 0 <= top_k <= DRAWABLE:
+        raise ValueError(f"--top_k {top_k}: must be 0 (all) to {DRAWABLE} (the 256 bytes and EOS)")
+    if max_new_bytes < 0:
+        raise ValueError(f"--max_new_bytes {max_new_bytes}: must be >= 0")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``name`` as a torch device that exists here; ValueError naming ``--device`` otherwise."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: not a device name; use cpu or cuda") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available here (no GPU or a CPU build of torch); "
+                             "use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s); use cuda:0")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+def _read_config(path: Path) -> tuple[dict[str, Any], ModelIdentity]:
+    """config.json and the model it names, checked key by key against the registry."""
+    file = path / CONFIG_FILE
+    try:
+        config = read_export_config(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); restore it or {REEXPORT}") from None
+    except AttributeError:  # valid JSON, but not an object
+        raise ValueError(f"{file}: not a JSON object; restore it or {REEXPORT}") from None
+    model = config.get("model")
+    if not isinstance(model, dict) or not all(isinstance(model.get(k), t) for k, t in
+                                              (("name", str), ("flavor", str), ("args", dict))):
+        raise ValueError(f"{file}: 'model' must hold 'name' and 'flavor' (strings) and 'args' (an object); "
+                         f"restore it or {REEXPORT}")
+    try:
+        spec = registry.get("model", model["name"])
+    except ValueError as e:
+        raise ValueError(f"{file}: model.name: {e}") from None
+    if model["flavor"] not in spec.flavors:
+        raise ValueError(f"{file}: model.flavor {model['flavor']!r} is not a flavor of {model['name']!r}; "
+                         f"choose one of {list(spec.flavors)}")
+    reference = spec.flavors[model["flavor"]]
+    known = {f.name for f in dataclasses.fields(reference)}
+    args = model["args"]
+    problems = [f"unknown {k!r}" for k in sorted(set(args) - known)]
+    problems += [f"missing {k!r}" for k in sorted(known - set(args))]
+    for key in sorted(set(args) & known):
+        expected, value = getattr(reference, key), args[key]
+        if expected is None or value is None:
+            continue
+        if isinstance(expected, bool) or isinstance(value, bool):
+            ok = isinstance(expected, bool) and isinstance(value, bool)
+        elif isinstance(expected, float):
+            ok = isinstance(value, (int, float))
+        elif isinstance(expected, (list, tuple)):
+            ok = isinstance(value, list)
+        else:
+            ok = isinstance(value, type(expected))
+        if not ok:
+            problems.append(f"{key!r} is {value!r}, expected a {type(expected).__name__}")
+    if problems:
+        raise ValueError(f"{file}: model.args: {'; '.join(problems)}; restore it or {REEXPORT}")
+    return config, ModelIdentity.from_json(model)
+
+
+def _weights_file(path: Path, key: str | None = None) -> Path:
+    """The safetensors file that holds ``key`` (or the export's weights file or index)."""
+    if (path / INDEX_FILE).is_file():
+        try:
+            return path / json.loads((path / INDEX_FILE).read_text())["weight_map"][key]
+        except Exception:  # an unreadable index, or a key it lacks: name the index itself
+            return path / INDEX_FILE
+    return path / WEIGHTS_FILE
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the export; ValueError naming the file that cannot be read."""
+    try:
+        return load_export_tensors(path)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors' own error, bad index JSON, a file the index names but lacks
+        files = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
+        files += sorted(path.glob("*.safetensors"))
+        bad = files[0] if files else path
+        for file in files[len(files) > 1 and files[0].name == INDEX_FILE:]:
+            try:
+                safetensors.torch.load_file(file)
+            except Exception:
+                bad = file
+                break
+        text = str(e).strip().splitlines()
+        raise ValueError(f"{bad}: unreadable ({type(e).__name__}: {text[-1] if text else ''}); "
+                         f"restore it or {REEXPORT}") from None
 
 
 def load_model(
     path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The model of the export folder ``path`` in eval mode, and its config.json."""
-    config = read_export_config(Path(path))
-    identity = ModelIdentity.from_json(config["model"])
+    path = Path(path)
+    config, identity = _read_config(path)
     spec = registry.get("model", identity.name)
-    with torch.device("meta"):
-        model = spec.model_cls(identity.build_args())
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(identity.build_args())
+    except Exception as e:  # args of the right types whose values build no model (n_heads = 0, ...)
+        raise ValueError(f"{path / CONFIG_FILE}: model.args build no {identity.name!r} model "
+                         f"({type(e).__name__}: {e}); restore it or {REEXPORT}") from None
     materialize(model, torch.device(device), seed=0)
-    model.load_state_dict(load_export_tensors(Path(path)), strict=True)
+    tensors = _read_tensors(path)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{_weights_file(path)}: tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+                         f"missing ({len(missing)} of {len(expected)}); restore it or {REEXPORT}")
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise ValueError(f"{_weights_file(path, unknown[0])}: tensor(s) {unknown[:3]} are not in a "
+                         f"{identity.name!r} model; restore it or {REEXPORT}")
+    for key, shape in expected.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
+                             f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}")
+        if tensors[key].is_floating_point() and not bool(torch.isfinite(tensors[key]).all()):
+            raise ValueError(f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
+                             "saved before the values went non-finite")
+    model.load_state_dict(tensors, strict=True)
     return model.to(dtype).eval(), config
 
 
@@ -74,6 +215,7 @@ def generate(
 
     ``context_len`` keeps only the last that many ids as input (the model's max_seq_len).
     """
+    check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=max_new_bytes)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = [BOS_ID, *prompt]

@@ -36,6 +36,7 @@ from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
+from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import (
     Throughput,
     format_duration,
@@ -668,6 +669,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if code:
             return code
+    except Exception as e:  # a full or read-only disk, out of memory: one line naming it and the fix
+        line = describe_failure(e, f"step {trainer.state.step + 1}" if trainer is not None else "start-up")
+        if line is None:
+            raise
+        logger.debug("failed", exc_info=True)
+        if trainer is None or trainer.rank == 0 or not isinstance(e, WriteFailed):  # saves fail on every rank
+            print(f"error: {line}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()

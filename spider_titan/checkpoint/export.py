@@ -49,7 +49,10 @@ from torch.distributed.tensor import DTensor
 from spider_titan.checkpoint.layout import (
     SINGLE_PROCESS_NOTICE,
     STEP_RE,
+    DamagedCheckpointError,
     ModelIdentity,
+    damaged_files_reason,
+    first_cause,
     read_meta,
     resolve_checkpoint,
 )
@@ -98,7 +101,13 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model.") -> tuple[dict[st
     newest complete one)."""
     path = resolve_checkpoint(Path(path), origin="checkpoint")
     meta = read_meta(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    damage = damaged_files_reason(path, meta, verify=list(meta.get("files", {})))
+    if damage is not None:
+        raise DamagedCheckpointError(f"{damage}; the checkpoint is damaged: use another step")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a cut or overwritten pickle fails in many ways
+        raise DamagedCheckpointError(f"{path / '.metadata'}: unreadable ({first_cause(e)}); use another step") from None
     tensors = {
         key: torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
@@ -108,7 +117,10 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model.") -> tuple[dict[st
         raise ValueError(f"{path}: the checkpoint holds no tensors under {prefix!r}")
     with warnings.catch_warnings():  # reading in one process is the intent, not a fallback
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE)
-        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+        try:
+            dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+        except (Exception, dcp.CheckpointException) as e:  # CheckpointException wraps the reader's error
+            raise DamagedCheckpointError(f"{path}: cannot be read ({first_cause(e)}); use another step") from None
     return {key[len(prefix):]: t for key, t in tensors.items()}, meta
 
 

@@ -23,13 +23,21 @@ What is saved is the dict of Statefuls and nothing else:
 Never a non-finite state: before writing, every floating tensor of the model and optimizer state
 is checked (one pass, all ranks agree); a non-finite one stops the save with FloatingPointError.
 Auto-resume and ``load_step`` take the newest checkpoint marked finite (at or before
-``load_step``), and log each newer one they pass over and why.
+``load_step``) that loads, and log each newer one they pass over and why: one whose meta.json
+is unreadable, whose files differ from the names, sizes and CRC-32s meta.json recorded (``files``;
+each rank checks a share of the files), or whose ``.metadata`` or data fail to load (the ranks
+gather their reasons, so all agree on the checkpoint they load).
 
 Crash safety: every rank writes into ``step-N.tmp-<token>``. ``dcp.save`` returns on rank 0 only
 after it has gathered every rank's write results and written ``.metadata``, so at that point the
 folder is whole: rank 0 adds ``meta.json`` and renames it to ``step-N``; the rename is the commit.
 A folder is loaded only under its final name and with both ``.metadata`` and ``meta.json``.
-keep_latest_k prunes after the commit, so it never deletes the newest complete checkpoint.
+keep_latest_k prunes after the commit, so it never deletes the newest complete checkpoint; it
+counts and deletes only checkpoints that pass those checks, and leaves damaged ones alone.
+
+A save or export that fails for want of disk (ENOSPC, EDQUOT, EROFS, EACCES) removes its partial
+folder and raises :class:`~spider_titan.errors.WriteFailed` with one line naming the folder and
+the fix; the older checkpoints are untouched.
 
 The final save with ``last_save_model_only`` holds the weights only, in ``export_dtype``; it is an
 artefact, not a resume point: auto-resume picks the newest *full* checkpoint and pruning leaves
@@ -73,14 +81,23 @@ from spider_titan.checkpoint.layout import (
     SINGLE_PROCESS_NOTICE,
     STEP_RE,
     TMP_RE,
+    DamagedCheckpointError,
     ModelIdentity,
+    checksum,
     compare_identity,
+    damage_reason,
+    damaged_files_reason,
+    file_records,
+    first_cause,
     good_checkpoint_reason,
     is_complete,
+    is_model_only,
     list_checkpoints,
     read_meta,
     resolve_checkpoint,
+    share,
 )
+from spider_titan.errors import WriteFailed, describe_os_error, find_os_error
 from spider_titan.models.common import DTYPES
 
 if TYPE_CHECKING:
@@ -236,19 +253,19 @@ class Checkpointer:
         """
         cfg = self.cfg
         if cfg.load_step >= 0:
-            good = self._newest_good(at_most=cfg.load_step)
-            if good is None:
+            step = self._resume(at_most=cfg.load_step, origin="checkpoint.load_step")
+            if step is None:
                 steps = [s for s, p in list_checkpoints(self.folder) if good_checkpoint_reason(p) is None]
                 raise FileNotFoundError(
                     f"checkpoint.load_step = {cfg.load_step}: no complete, finite checkpoint at or before step "
                     f"{cfg.load_step} in {self.folder}; resumable steps there: {steps or 'none'}"
                 )
-            return self._load(good[1], model_only=False, origin="checkpoint.load_step")
+            return step
         if cfg.enable:
             self._warn_incomplete()
-            good = self._newest_good()
-            if good is not None:
-                return self._load(good[1], model_only=False, origin="resuming")
+            step = self._resume(origin="resuming")
+            if step is not None:
+                return step
         if cfg.initial_load_path:
             origin = "checkpoint.initial_load_path"
             path = resolve_checkpoint(Path(cfg.initial_load_path), origin=origin,
@@ -258,27 +275,71 @@ class Checkpointer:
             logger.info("checkpoint: no checkpoint in %s, starting from step 0", self.folder)
         return None
 
-    def _newest_good(self, at_most: int | None = None, *, quiet: bool = False) -> tuple[int, Path] | None:
-        """(step, path) of the newest checkpoint one may resume from (at or before ``at_most``),
-        logging why each newer one was passed over."""
+    def _resume(self, *, origin: str, at_most: int | None = None) -> int | None:
+        """Load the newest checkpoint (at or before ``at_most``) that loads; the step, or None when
+        there is none to try. Damaged ones are passed over with a warning each; when every one
+        tried is damaged, ValueError (starting afresh would overwrite them)."""
+        damaged = []
         for step, path in reversed(list_checkpoints(self.folder)):
             if at_most is not None and step > at_most:
                 continue
-            reason = good_checkpoint_reason(path)
+            reason = damage = damage_reason(path)
+            if damage is None:
+                reason = good_checkpoint_reason(path)
             if reason is None:
-                return step, path
-            if not quiet and self.rank == 0 and not read_meta(path).get("model_only"):
+                try:
+                    return self._load(path, model_only=False, origin=origin)
+                except DamagedCheckpointError as e:
+                    reason = damage = str(e)
+            if damage is not None:
+                damaged.append(path.name)
+            elif is_model_only(path):
+                continue
+            if self.rank == 0:
                 logger.warning("checkpoint: skipping %s: %s", path, reason)
+        if damaged:
+            raise ValueError(
+                f"{origin}: every checkpoint in {self.folder} is damaged ({', '.join(damaged)}; the log says why); "
+                "move that folder away to start from step 0"
+            )
         return None
+
+    def _newest_good(self, at_most: int | None = None) -> tuple[int, Path] | None:
+        """(step, path) of the newest checkpoint that passes the checks made without loading it."""
+        for step, path in reversed(list_checkpoints(self.folder)):
+            if (at_most is None or step <= at_most) and good_checkpoint_reason(path) is None:
+                return step, path
+        return None
+
+    def _agree(self, problem: str | None) -> str | None:
+        """The first rank's problem with a checkpoint, or None when every rank loaded it (one gather,
+        at load time only): all ranks take the same decision, and rank 0 logs the reason."""
+        if not self.distributed:
+            return problem
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, problem, group=self.group)
+        return next((p for p in everyone if p is not None), None)
 
     def latest_good(self) -> tuple[int, Path] | None:
         """(step, path) of the newest checkpoint this run could resume from, or None."""
         self.wait()
-        return self._newest_good(quiet=True)
+        return self._newest_good()
 
     def _load(self, path: Path, *, model_only: bool, origin: str) -> int:
-        meta = read_meta(path)
         where = f"{origin}: {path}"
+        problem: DamagedCheckpointError | None = None  # found on this rank; the ranks then agree
+        try:
+            meta = read_meta(path)
+            files = list(meta.get("files", {}))
+            damage = damaged_files_reason(path, meta, verify=share(files, self.rank, self.world_size))
+            if damage is not None:
+                raise DamagedCheckpointError(damage)
+            saved = _read_dcp_metadata(path)
+        except DamagedCheckpointError as e:
+            problem = e
+        agreed = self._agree(None if problem is None else str(problem))
+        if agreed is not None:
+            raise DamagedCheckpointError(agreed)
         diffs = compare_identity(ModelIdentity.from_json(meta["model"]), self.identity, where)
         if diffs and self.rank == 0:
             logger.warning("checkpoint %s: model args differ, the weights fit: %s", path, ", ".join(diffs))
@@ -292,17 +353,20 @@ class Checkpointer:
         if missing:
             raise ValueError(f"{where} has no {missing} (it holds {meta['contents']})")
         if "rng" in keys:
-            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
             shapes = {k: saved[f"rng.{k}"].size for k in ("cpu", "cuda") if f"rng.{k}" in saved and hasattr(saved[f"rng.{k}"], "size")}
             if len(shapes) != 2:
                 raise ValueError(f"{where}: its RNG state is in an older format; start from its weights with "
                                  "checkpoint.initial_load_model_only = true")
             self.states["rng"].expect(shapes)
         t0 = time.perf_counter()
+        failure: BaseException | None = None
         try:
             dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # a BaseException wrapping every rank's failure
-            raise ValueError(f"{where} cannot be loaded: {_first_cause(e)}") from e
+            failure = e
+        agreed = self._agree(None if failure is None else f"{where} cannot be loaded: {first_cause(failure)}")
+        if agreed is not None:
+            raise DamagedCheckpointError(agreed) from failure
         if self.rank == 0:
             logger.info(
                 "checkpoint: loaded %s from %s (step %d) in %.2f s",
@@ -390,8 +454,11 @@ class Checkpointer:
         else:
             if self.rank == 0:  # a 1B checkpoint takes tens of seconds: say so before, not only after
                 logger.info("checkpoint: writing step %d to %s ...", step, save.final)
-            dcp.save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
-            self._commit(save)
+            try:
+                dcp.save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
+                self._commit(save)
+            except (Exception, dcp.CheckpointException) as e:
+                self._failed(save, e)
 
     def check_finite(self, what: str) -> None:
         """FloatingPointError when any floating tensor of the model or optimizer state is not
@@ -412,7 +479,7 @@ class Checkpointer:
         if self.distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if bad.item():
-            good = self._newest_good(quiet=True)
+            good = self._newest_good()
             raise FloatingPointError(
                 f"{what}: the model or optimizer state holds non-finite values; last good checkpoint: "
                 f"{good[1] if good else 'none'}"
@@ -422,17 +489,38 @@ class Checkpointer:
         """Finish the save in flight, if any (its files written, then committed)."""
         if self.pending is not None:
             save, self.pending = self.pending, None
-            save.future.result()
-            self._commit(save)
+            try:
+                save.future.result()
+                self._commit(save)
+            except (Exception, dcp.CheckpointException) as e:
+                self._failed(save, e)
+
+    def _failed(self, save: _Save, e: BaseException) -> None:
+        """A save that did not complete: remove its partial folder (rank 0), then raise WriteFailed
+        for a cause outside the code (disk full, read-only, quota), else re-raise ``e``."""
+        cause = find_os_error(e, self.folder)  # before the removal gives the space back
+        if self.rank == 0:
+            shutil.rmtree(save.tmp, ignore_errors=True)
+        if cause is None:
+            raise e
+        raise WriteFailed(
+            f"checkpoint step {save.step} not saved ({describe_os_error(cause, self.folder)}); "
+            "the older checkpoints are intact"
+        ) from e
 
     def _poll(self) -> None:
         if self.pending is not None and self.pending.future.done():
             self.wait()
 
     def _commit(self, save: _Save) -> None:
-        """Rank 0: meta.json, then the rename that makes the checkpoint visible, then pruning."""
+        """Rank 0: checksums of the files, meta.json, then the rename that makes the checkpoint
+        visible, then pruning. Rank 0 reads every file back for the checksums (no collective: an
+        async save is committed whenever rank 0 finds it done); at zlib's 6 GB/s that is 2-3 s
+        for a 1B model's 12 GB with AdamW state, once per save, never per step."""
         if self.rank != 0:
             return
+        crcs = {f.name: checksum(f) for f in save.tmp.iterdir() if f.is_file()}
+        save.meta["files"] = file_records(save.tmp, crcs)  # checked before every load
         (save.tmp / META_FILE).write_text(json.dumps(save.meta, indent=1))
         if save.final.exists():  # the same step saved again (a run resumed from an earlier step)
             old = save.final.with_name(f"{save.final.name}.tmp-{self.token}-old")
@@ -454,10 +542,20 @@ class Checkpointer:
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
-        full = [p for _, p in list_checkpoints(self.folder) if not read_meta(p).get("model_only")]
-        for path in full[:-k]:
-            shutil.rmtree(path)
-            logger.info("checkpoint: removed %s (keep_latest_k = %d)", path, k)
+        good = []
+        for _, path in list_checkpoints(self.folder):
+            damage = damage_reason(path)
+            if damage is not None:
+                logger.warning("checkpoint: keep_latest_k leaves %s alone, it is damaged: %s", path, damage)
+            elif good_checkpoint_reason(path) is None:
+                good.append(path)
+        for path in good[:-k]:
+            try:
+                shutil.rmtree(path)
+            except OSError as e:
+                logger.warning("checkpoint: could not remove %s (keep_latest_k = %d): %s", path, k, e)
+            else:
+                logger.info("checkpoint: removed %s (keep_latest_k = %d)", path, k)
 
     def _warn_incomplete(self) -> None:
         if self.rank != 0 or not self.folder.is_dir():
@@ -485,23 +583,44 @@ class Checkpointer:
         t0 = time.perf_counter()
         tensors = full_model_state_dict(self.states["model"].model)
         if self.rank == 0:
-            write_export(tensors, self.identity, out, dtype=DTYPES[self.cfg.export_dtype], step=step)
+            try:
+                write_export(tensors, self.identity, out, dtype=DTYPES[self.cfg.export_dtype], step=step)
+            except Exception as e:  # torch and safetensors report a short write in their own words
+                self._export_failed(out, step, e)
             logger.info("export: wrote %s (%s) in %.2f s", out, self.cfg.export_dtype, time.perf_counter() - t0)
 
+    def _export_failed(self, out: Path, step: int | None, e: Exception) -> None:
+        cause = find_os_error(e, out)
+        if cause is None:
+            raise e
+        saved = list_checkpoints(self.folder) if self.cfg.enable else []
+        later = (f"; the checkpoint {saved[-1][1]} is saved: export it later with python scripts/export_safetensors.py "
+                 f"--checkpoint {saved[-1][1]} --out {out}") if saved else ""
+        raise WriteFailed(f"export at step {step} not written ({describe_os_error(cause, out)}){later}") from e
+
     def close(self) -> None:
-        """Wait for the save in flight so the last checkpoint is committed before the process ends."""
-        self.wait()
+        """Wait for the save in flight so the last checkpoint is committed before the process ends.
+
+        One is in flight here only when the run stopped on another error (every normal end saves
+        synchronously, after waiting): a failure of it is logged, not raised over that error."""
+        try:
+            self.wait()
+        except WriteFailed as e:
+            logger.error("%s", e)
 
 
-def _first_cause(e: BaseException) -> str:
-    """One line for an exception, looking through DCP's per-rank wrapper."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        e = next(iter(failures.values()))
-        if isinstance(e, tuple):  # (exception, traceback) in some torch versions
-            e = e[0]
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
+def _read_dcp_metadata(path: Path) -> dict[str, Any]:
+    """The DCP ``.metadata`` of a checkpoint (FQN -> what was saved); DamagedCheckpointError when it
+    cannot be read (a cut or overwritten pickle fails in many ways, hence the broad except)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if not isinstance(metadata, dict):
+            raise TypeError(f"holds a {type(metadata).__name__}")
+        return metadata
+    except Exception as e:
+        raise DamagedCheckpointError(
+            f"{path / '.metadata'}: unreadable ({first_cause(e)}); the checkpoint is damaged"
+        ) from None
 
 
 def build_checkpointer(cfg, run: "Run", train_state: Stateful) -> Checkpointer:

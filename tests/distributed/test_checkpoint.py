@@ -98,6 +98,27 @@ def test_resume_two_ranks_on_one(two_ranks, tmp_path):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), (step, ref, got)
 
 
+def test_two_ranks_fall_back_past_a_changed_file_only_one_rank_checks(two_ranks, tmp_path):
+    """Bytes changed inside rank 0's data file of step-6 (same size): only rank 1 reads that file for
+    its CRC-32 share, and both ranks must agree to resume from step-3; the result is the straight run."""
+    root, _ = two_ranks
+    shutil.copytree(root / "at_step_6", tmp_path / "run")
+    step6 = tmp_path / "run" / "checkpoint" / "step-6"
+    with open(step6 / "__0_0.distcp", "r+b") as f:
+        f.seek(f.seek(0, 2) // 2)
+        f.write(b"\x7f\xff\xff\xff")
+    older = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoint" / "step-3").iterdir()}
+    proc = run_train(args(tmp_path / "run", 8, "--training.local_batch_size", "2", *CKPT,
+                          "--checkpoint.interval", "100"), nprocs=2)
+    check_ok(proc)
+    assert f"skipping {step6}: {step6 / '__0_0.distcp'}: its contents changed" in proc.stdout, proc.stdout[-3000:]
+    assert "step-3 (step 3)" in proc.stdout
+    ref, got = train_losses(root / "straight"), train_losses(tmp_path / "run")
+    for step in range(4, 9):
+        assert got[step] == pytest.approx(ref[step], abs=1e-6), (step, ref, got)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoint" / "step-3").iterdir()} == older
+
+
 def test_two_rank_checkpoint_loads_in_one_process(two_ranks, tmp_path, in_process):
     """Model, optimizer and data position of the 2-rank step-6 checkpoint, loaded by one process."""
     root, _ = two_ranks

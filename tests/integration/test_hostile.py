@@ -8,7 +8,11 @@ signals, divergence and crashes run the real CLI in a subprocess.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
+import io
+import json
 import os
 import signal
 import subprocess
@@ -327,3 +331,388 @@ def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
     assert set(state) >= {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
     assert state["rng"]["cpu"].dtype == torch.uint8 and state["rng"]["cpu"].shape[0] == 1
     assert state["train_state"]["step"] == 2
+
+
+# ---------------------------------------------------------------- disk, memory, damaged checkpoints (issue 20)
+
+CKPT = MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1",
+               "--checkpoint.last_save_model_only", "false"]
+
+
+def _train(args: list[str], dump: Path, capsys) -> tuple[int, str, list[str]]:
+    """``main`` in this process: (exit code, stdout, the non-empty stderr lines)."""
+    with torch.random.fork_rng():
+        code = main(SPIDER + args + ["--job.dump_folder", str(dump)])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err
+    return code, out, lines
+
+
+def _without_dac_override() -> None:
+    """In the child before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set,
+    so a root process obeys file modes like anyone (the interpreter may live under /root, out of
+    another user's reach, so switching to nobody is no option)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_read_only_dump_folder(tmp_path):
+    """A dump folder this user cannot write: exit 1, one line naming it, EACCES and the key to change."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "spider_titan.train", *SPIDER, *MOCK, "--training.steps", "1",
+                               "--job.dump_folder", str(locked / "run")], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        locked.chmod(0o755)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert str(locked / "run") in lines[0] and "permission denied (EACCES)" in lines[0], lines
+    assert "job.dump_folder" in lines[0]
+    assert list(locked.iterdir()) == []
+
+
+SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+@pytest.mark.parametrize("failure", ["enospc", "edquot", "short-write", "enospc-async"])
+def test_disk_full_during_a_checkpoint_save(failure, tmp_path, in_process, capsys, monkeypatch):
+    """The writer fails on the second save: one line (ENOSPC or EDQUOT named; torch's "unexpected pos"
+    on a full disk read as ENOSPC), exit 1, no partial folder, the first checkpoint byte-identical."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from spider_titan import errors
+
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "1"], dump, capsys)[0] == 0
+    before = snapshot(dump / "checkpoint")
+    real = dcp_fs._write_item
+
+    def full_disk(*args, **kwargs):
+        if failure == "short-write":
+            raise RuntimeError(SHORT_WRITE)
+        code = errno.EDQUOT if failure == "edquot" else errno.ENOSPC
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full_disk)
+    if failure == "short-write":  # the disk as torch leaves it: full
+        monkeypatch.setattr(errors, "free_bytes", lambda path: 0)
+    mode = ["--checkpoint.async_mode", "async"] if failure == "enospc-async" else []  # fails in a thread
+    code, _, lines = _train(CKPT + mode + ["--training.steps", "3"], dump, capsys)
+    monkeypatch.setattr(dcp_fs, "_write_item", real)
+    named = "disk quota exceeded (EDQUOT)" if failure == "edquot" else "no space left on device (ENOSPC)"
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: checkpoint step 2 not saved") and named in lines[0], lines
+    assert str(dump / "checkpoint") in lines[0] and "job.dump_folder" in lines[0] and "intact" in lines[0]
+    assert snapshot(dump / "checkpoint") == before  # step-1 as it was, no step-2 or step-2.tmp-* left
+
+
+def test_disk_full_during_the_end_of_run_export(tmp_path, in_process, capsys, monkeypatch):
+    import safetensors.torch
+
+    dump = tmp_path / "run"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    code, _, lines = _train(CKPT + ["--training.steps", "2", "--checkpoint.export_at_end", "true"], dump, capsys)
+    step2 = dump / "checkpoint" / "step-2"
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: export at step 2 not written") and str(dump / "export") in lines[0], lines
+    assert "no space left on device (ENOSPC)" in lines[0]
+    assert f"--checkpoint {step2} --out {dump / 'export'}" in lines[0]
+    assert not (dump / "export").exists() and finite_checkpoint(step2)
+
+
+def test_pruning_leaves_a_damaged_older_checkpoint_alone(tmp_path, in_process, capsys):
+    """keep_latest_k passes over a checkpoint whose meta.json is garbage: logged, kept as it is, the run
+    goes on (a damaged old folder is no reason to stop training, nor ours to delete)."""
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "2"], dump, capsys)[0] == 0
+    (dump / "checkpoint" / "step-1" / "meta.json").write_bytes(b"\xff\x00{not json")
+    damaged = snapshot(dump / "checkpoint" / "step-1")
+    code, out, lines = _train(CKPT + ["--training.steps", "4", "--checkpoint.keep_latest_k", "1"], dump, capsys)
+    assert code == 0 and lines == [], lines
+    assert f"keep_latest_k leaves {dump / 'checkpoint' / 'step-1'} alone, it is damaged" in out
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1", "step-4"]
+    assert snapshot(dump / "checkpoint" / "step-1") == damaged
+
+
+def _garbage_meta(step: Path) -> None:
+    (step / "meta.json").write_text('{"format_version": 1, "st')
+
+
+def _cut_data(step: Path) -> None:
+    with open(step / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+
+
+def _cut_metadata(step: Path) -> None:
+    with open(step / ".metadata", "r+b") as f:
+        f.truncate(50)
+
+
+def _flipped_bytes(step: Path) -> None:  # same size: only the CRC-32 in meta.json tells
+    with open(step / "__0_0.distcp", "r+b") as f:
+        f.seek(f.seek(0, 2) // 2)
+        f.write(b"\x7f\xff\xff\xff")
+
+
+@pytest.mark.parametrize("damage", [_garbage_meta, _cut_data, _cut_metadata, _flipped_bytes],
+                         ids=["meta.json", "truncated-distcp", "truncated-metadata", "changed-distcp"])
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(damage, tmp_path, in_process, capsys):
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "2"], dump, capsys)[0] == 0
+    damage(dump / "checkpoint" / "step-2")
+    older = snapshot(dump / "checkpoint" / "step-1")
+    code, out, lines = _train(CKPT + ["--training.steps", "3", "--checkpoint.interval", "100"], dump, capsys)
+    assert code == 0 and lines == [], lines
+    assert f"checkpoint: skipping {dump / 'checkpoint' / 'step-2'}: " in out, out[-3000:]
+    assert f"from {dump / 'checkpoint' / 'step-1'} (step 1)" in out
+    assert snapshot(dump / "checkpoint" / "step-1") == older
+
+
+def test_every_checkpoint_damaged_stops_instead_of_starting_over(tmp_path, in_process, capsys):
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "2"], dump, capsys)[0] == 0
+    for step in ("step-1", "step-2"):
+        _cut_data(dump / "checkpoint" / step)
+    before = snapshot(dump / "checkpoint")
+    code, _, lines = _train(CKPT + ["--training.steps", "3"], dump, capsys)
+    assert code == 2 and len(lines) == 1 and "every checkpoint in" in lines[0] and "step-2, step-1" in lines[0], lines
+    assert snapshot(dump / "checkpoint") == before
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_out_of_memory_names_the_step_and_the_knobs(device, tmp_path, in_process, capsys, monkeypatch):
+    """torch's CUDA OutOfMemoryError, and a real CPU allocator failure, inside step 2."""
+    from spider_titan import train as train_module
+
+    real_clip, calls = train_module.clip_grad_norm_, []
+
+    def clip(params, max_norm):
+        calls.append(1)
+        if len(calls) == 2:
+            if device == "cuda":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                             "capacity of 79.10 GiB of which 1.06 GiB is free.")
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator's own error
+        return real_clip(params, max_norm)
+
+    monkeypatch.setattr(train_module, "clip_grad_norm_", clip)
+    code, _, lines = _train(MOCK + ["--training.steps", "4"], tmp_path / "run", capsys)
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: step 2: out of memory (")
+    assert ("CUDA out of memory" if device == "cuda" else "can't allocate memory") in lines[0]
+    assert "enforce fail" not in lines[0]
+    for knob in ("training.local_batch_size", "activation_checkpoint.mode", "training.seq_len"):
+        assert knob in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------- export and generate (issue 20)
+
+
+def _script_main(name: str, argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """``scripts/<name>.py`` main(argv) in this process: (exit code, stdout, stderr lines) as a shell sees them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"hostile_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code = 0
+    try:
+        module.main(argv)
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    if isinstance(code, str):  # sys.exit("message"): the interpreter prints it and exits 1
+        code, err = 1, err + code + "\n"
+    assert "Traceback" not in err, err
+    return code, out, [line for line in err.splitlines() if line.strip()]
+
+
+def test_export_of_a_truncated_checkpoint_file(tmp_path, in_process, capsys):
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "1"], dump, capsys)[0] == 0
+    step = dump / "checkpoint" / "step-1"
+    _cut_data(step)
+    before = snapshot(step)
+    code, out, lines = _script_main("export_safetensors", ["--checkpoint", str(step), "--out", str(tmp_path / "ex")],
+                                    capsys)
+    assert code == 1 and len(lines) == 1 and str(step / "__0_0.distcp") in lines[0], lines
+    assert "truncated" in lines[0] and "use another step" in lines[0]
+    assert not (tmp_path / "ex").exists() and snapshot(step) == before
+
+
+@pytest.fixture
+def export_dir(tmp_path):
+    """An export of a freshly initialised one-layer dense model (no training needed)."""
+    from spider_titan.checkpoint.export import full_model_state_dict, write_export
+    from spider_titan.checkpoint.layout import ModelIdentity
+    from spider_titan.components import registry
+    from spider_titan.components.builder import materialize
+
+    spec = registry.get("model", "dense")
+    args = spec.build_args("debug", {"n_layers": 1})
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    out = tmp_path / "export"
+    write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", args), out, dtype=torch.float32)
+    return out
+
+
+def _edit_config(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(export: Path) -> None:
+        config = json.loads((export / "config.json").read_text())
+        edit(config)
+        (export / "config.json").write_text(json.dumps(config))
+    return apply
+
+
+def _edit_tensors(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(export: Path) -> None:
+        import safetensors.torch
+
+        tensors = safetensors.torch.load_file(export / "model.safetensors")
+        edit(tensors)
+        safetensors.torch.save_file(tensors, export / "model.safetensors")
+    return apply
+
+
+def _cut(name: str, size: int) -> Callable[[Path], None]:
+    def apply(export: Path) -> None:
+        with open(export / name, "r+b") as f:
+            f.truncate(size)
+    return apply
+
+
+WK = "layers.0.attention.wk.weight"
+GENERATE_ROWS = [
+    # (id, flags, edit of the export, needles in the one line; {export} filled in)
+    ("temperature-nan", ["--temperature", "nan"], None, ["--temperature nan", ">= 0"]),
+    ("temperature-negative", ["--temperature", "-1"], None, ["--temperature -1.0", ">= 0"]),
+    ("temperature-inf", ["--temperature", "inf"], None, ["--temperature inf", "finite"]),
+    ("top-k-negative", ["--top_k", "-3"], None, ["--top_k -3", "0 (all) to 257"]),
+    ("top-k-too-large", ["--top_k", "1000"], None, ["--top_k 1000", "0 (all) to 257"]),
+    ("max-new-bytes-negative", ["--max_new_bytes", "-1"], None, ["--max_new_bytes -1"]),
+    ("not-a-device", ["--device", "gpu0"], None, ["--device 'gpu0'", "cpu or cuda"]),
+    ("prompt-file-missing", ["--prompt_file", "{export}/no-such-prompt.txt"], None,
+     ["--prompt_file {export}/no-such-prompt.txt", "No such file"]),
+    ("config-bad-json", [], lambda e: (e / "config.json").write_text('{"model": '), ["{export}/config.json",
+                                                                                    "not valid JSON"]),
+    ("config-not-utf8", [], lambda e: (e / "config.json").write_bytes(b"\xff\xfe{}"), ["{export}/config.json",
+                                                                                      "not valid JSON"]),
+    ("config-not-an-object", [], lambda e: (e / "config.json").write_text("[1, 2]"), ["{export}/config.json",
+                                                                                     "not a JSON object"]),
+    ("config-no-model", [], _edit_config(lambda c: c.pop("model")), ["{export}/config.json", "'model' must hold"]),
+    ("config-missing-arg", [], _edit_config(lambda c: c["model"]["args"].pop("dim")),
+     ["{export}/config.json", "missing 'dim'"]),
+    ("config-unknown-arg", [], _edit_config(lambda c: c["model"]["args"].update(dimm=3)),
+     ["{export}/config.json", "unknown 'dimm'"]),
+    ("config-wrong-type", [], _edit_config(lambda c: c["model"]["args"].update(n_layers="1")),
+     ["{export}/config.json", "'n_layers' is '1', expected a int"]),
+    ("config-bad-value", [], _edit_config(lambda c: c["model"]["args"].update(n_heads=0)),
+     ["{export}/config.json", "build no 'dense' model"]),
+    ("config-unknown-flavor", [], _edit_config(lambda c: c["model"].update(flavor="huge")),
+     ["{export}/config.json", "'huge' is not a flavor of 'dense'"]),
+    ("config-unknown-model", [], _edit_config(lambda c: c["model"].update(name="gpt")),
+     ["{export}/config.json", "unknown model 'gpt'"]),
+    ("config-deleted", [], lambda e: (e / "config.json").unlink(), ["{export}", "no config.json"]),
+    ("weights-truncated", [], _cut("model.safetensors", 5000), ["{export}/model.safetensors", "unreadable"]),
+    ("weights-header-cut", [], _cut("model.safetensors", 3), ["{export}/model.safetensors", "unreadable"]),
+    ("weights-deleted", [], lambda e: (e / "model.safetensors").unlink(), ["{export}", "model.safetensors"]),
+    ("tensor-removed", [], _edit_tensors(lambda t: t.pop(WK)), ["{export}/model.safetensors", WK, "missing"]),
+    ("tensor-reshaped", [], _edit_tensors(lambda t: t.update({WK: t[WK][:1]})),
+     ["{export}/model.safetensors", WK, "has shape"]),
+    ("tensor-nan", [], _edit_tensors(lambda t: t[WK].view(-1).__setitem__(0, float("nan"))),
+     ["{export}/model.safetensors", WK, "NaN or inf"]),
+]
+
+
+@pytest.mark.parametrize("row", GENERATE_ROWS, ids=[r[0] for r in GENERATE_ROWS])
+def test_generate_hostile_input(row, export_dir, in_process, capsys):
+    _, flags, edit, needles = row
+    if edit is not None:
+        edit(export_dir)
+    before = snapshot(export_dir)
+    fill = [f.replace("{export}", str(export_dir)) for f in flags]
+    code, out, lines = _script_main("generate", ["--model", str(export_dir), "--max_new_bytes", "3", "--device", "cpu",
+                                                 *fill], capsys)
+    assert code == 1 and len(lines) == 1 and out == "", (lines, out)
+    for needle in needles:
+        assert needle.replace("{export}", str(export_dir)) in lines[0], (needle, lines[0])
+    assert snapshot(export_dir) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_generate_on_cuda_without_cuda(export_dir, in_process, capsys):
+    code, _, lines = _script_main("generate", ["--model", str(export_dir), "--device", "cuda"], capsys)
+    assert code == 1 and len(lines) == 1 and "--device cuda: CUDA is not available" in lines[0], lines
+    assert "--device cpu" in lines[0]
+
+
+def test_generate_takes_any_prompt_bytes(export_dir, tmp_path, in_process, capsys, monkeypatch):
+    """A non-UTF-8 argument as the OS passes it (a real process), and the same bytes from a file or
+    stdin (in this process), give the same greedy sample; invalid UTF-8 shows as U+FFFD."""
+    prompt = b"caf\xe9 \xffx"
+    flags = ["--model", str(export_dir), "--max_new_bytes", "6", "--temperature", "0", "--device", "cpu"]
+    by_arg = subprocess.run([sys.executable, "scripts/generate.py", *flags, "--prompt", prompt], cwd=REPO,
+                            capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert by_arg.returncode == 0 and by_arg.stderr == b"", by_arg.stderr
+    shown = by_arg.stdout.decode("utf-8")
+    assert shown.startswith("caf\ufffd \ufffdx")
+    (tmp_path / "prompt.bin").write_bytes(prompt)
+    assert _script_main("generate", flags + ["--prompt_file", str(tmp_path / "prompt.bin")], capsys)[:2] == (0, shown)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(prompt)))
+    assert _script_main("generate", flags + ["--prompt_file", "-"], capsys)[:2] == (0, shown)
+
+
+def test_disk_full_on_a_real_tmpfs(tmp_path, in_process, capsys):
+    """The real thing where a mount is allowed (root with CAP_SYS_ADMIN): a 5 MB tmpfs holds the first
+    3.2 MB checkpoint but not the second; torch reports "unexpected pos", the run names ENOSPC."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        dense = ["--job.config_file", "train_configs/debug_dense.toml", "--model.n_layers", "1", "--training.seq_len",
+                 "32", "--training.local_batch_size", "1", "--validation.enable", "false",
+                 "--metrics.enable_tensorboard", "false", "--checkpoint.export_at_end", "false"]
+        with torch.random.fork_rng():
+            code = main(dense + CKPT + ["--training.steps", "3", "--job.dump_folder", str(disk / "run")])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("error: checkpoint step 2 not saved") and "(ENOSPC" in lines[0], lines
+        assert sorted(p.name for p in (disk / "run" / "checkpoint").iterdir()) == ["step-1"]
+        assert finite_checkpoint(disk / "run" / "checkpoint" / "step-1")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_export_to_a_full_disk(tmp_path, in_process, capsys, monkeypatch):
+    import safetensors.torch
+
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "1"], dump, capsys)[0] == 0
+    before = snapshot(dump)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    out = tmp_path / "ex"
+    code, _, lines = _script_main("export_safetensors", ["--checkpoint", str(dump / "checkpoint"), "--out", str(out)],
+                                  capsys)
+    assert code == 1 and len(lines) == 1, lines
+    assert f"{out}: no space left on device (ENOSPC)" in lines[0] and "--out" in lines[0], lines
+    assert not out.exists() and snapshot(dump) == before
