@@ -27,6 +27,8 @@ from typing import IO
 
 import torch.distributed as dist
 
+from spider_titan.errors import describe_os_error
+
 LOCK_FILE = ".lock"
 
 logger = logging.getLogger("spider_titan")
@@ -72,8 +74,7 @@ class RunLock:
                 folder.mkdir(parents=True, exist_ok=True)
                 file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # noqa: SIM115 (held open for the run)
             except OSError as e:
-                raise ValueError(f"job.dump_folder: cannot create {path} ({e.strerror or e}); "
-                                 "give a folder this user can write to with --job.dump_folder <path>") from e
+                raise ValueError(f"job.dump_folder: {describe_os_error(e, path)}") from e
             try:
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -360,7 +360,8 @@ def _without_dac_override() -> None:
 
 
 def test_read_only_dump_folder(tmp_path):
-    """A dump folder this user cannot write: exit 1, one line naming it, EACCES and the key to change."""
+    """A dump folder this user cannot write: refused at start-up (exit 2, before anything is built), one
+    line naming it, EACCES and the key to change."""
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o555)
@@ -372,7 +373,7 @@ def test_read_only_dump_folder(tmp_path):
     finally:
         locked.chmod(0o755)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert str(locked / "run") in lines[0] and "permission denied (EACCES)" in lines[0], lines
     assert "job.dump_folder" in lines[0]
     assert list(locked.iterdir()) == []
