@@ -159,6 +159,10 @@ class MoE(nn.Module):
     asks for balance over many sequences instead of within a few. ``reduce_stats`` (None: this
     rank alone) is how the model reaches the other ranks without importing torch.distributed: a
     differentiable sum over the data-parallel ranks, installed by ``parallel/parallelize.py``.
+    The statistics are per micro-batch, not per optimizer step (a micro-batch's loss is
+    backpropagated before the next one exists): with gradient accumulation, 1 rank x B samples and
+    R ranks x B/R samples agree when they accumulate the same number of micro-batches (the loader
+    gives rank r the r-th slice of each global micro-batch); evaluation keeps each rank's own.
     """
 
     def __init__(

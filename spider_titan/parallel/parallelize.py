@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from spider_titan.models.common import ModelSpec

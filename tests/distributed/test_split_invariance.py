@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from tests.utils import REPO, check_ok, run_train, train_losses
@@ -66,7 +65,7 @@ def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
     launcher.write_text(PER_RANK_LAUNCHER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(launcher),
            *COMMON, *FOUR_RANKS, "--job.dump_folder", str(tmp_path / "per_rank")]
-    per_rank = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+    per_rank = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     check_ok(per_rank)
     gaps = _relative_gaps(ref, train_losses(tmp_path / "per_rank"))
