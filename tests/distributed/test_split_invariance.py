@@ -13,9 +13,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.utils import REPO, check_ok, run_train, train_losses
+
+pytestmark = pytest.mark.slow
 
 # Debug Spider: MoE with aux-loss balancing, learned (cosine) boundaries with the ratio loss.
 # aux_loss_coeff 0.1 (10x the default) makes the per-rank statistics' error large enough that
