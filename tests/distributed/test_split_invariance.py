@@ -51,7 +51,7 @@ def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
     step: every step's loss (metrics.jsonl, full precision) within 1e-5 relative. Negative
     control: FSDP 4 with per-rank statistics differs by more than 1e-5.
     Measured (2026-11-23, 2 cores): gaps <= 1.0e-7 for both layouts; per-rank statistics 8.5e-5 at
-    step 2, 3.4e-4 at step 5; about 55 s for the four runs."""
+    step 2, 3.4e-4 at step 5; 45-64 s for the four runs on 2 shared cores."""
     single = run_train(COMMON + ["--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")])
     check_ok(single)
     ref = train_losses(tmp_path / "one")
