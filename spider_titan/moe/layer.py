@@ -9,6 +9,7 @@ waits on the host, so the layer is CUDA-graph and ``torch.compile`` friendly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,9 +133,10 @@ class MoEStats:
 
     aux_loss: scalar fp32, ``E * sum_i f_i * P_i`` (f_i: fraction of routed slots to expert i, no
               gradient; P_i: mean router probability of expert i, with gradient). Equals 1 for a
-              perfectly uniform router.
-    counts:   (E,) fp32, detached: routed slots per expert, for load fractions and the
-              aux-loss-free bias update (all-reduce it over data/expert ranks before use).
+              perfectly uniform router. In training, f_i and P_i are over the global micro-batch
+              (every data-parallel rank's tokens) when a ``reduce_stats`` is installed.
+    counts:   (E,) fp32, detached: this rank's routed slots per expert, for load fractions and
+              the aux-loss-free bias update (all-reduce it over data/expert ranks before use).
     """
 
     aux_loss: torch.Tensor
@@ -150,6 +152,17 @@ class MoE(nn.Module):
 
     ``align`` pads each expert's row segment to a multiple (16 for fp8 grouped GEMM) and may be
     changed after construction by a converter; ``backend`` may be swapped likewise.
+
+    Global-batch load balancing (Qiu et al. 2025, arXiv 2501.11873, used in Qwen3-MoE): the aux
+    loss's f_i and P_i are statistics of the whole data-parallel micro-batch, not of this rank's
+    share, so training does not depend on how the global batch is split over ranks, and the loss
+    asks for balance over many sequences instead of within a few. ``reduce_stats`` (None: this
+    rank alone) is how the model reaches the other ranks without importing torch.distributed: a
+    differentiable sum over the data-parallel ranks, installed by ``parallel/parallelize.py``.
+    The statistics are per micro-batch, not per optimizer step (a micro-batch's loss is
+    backpropagated before the next one exists): with gradient accumulation, 1 rank x B samples and
+    R ranks x B/R samples agree when they accumulate the same number of micro-batches (the loader
+    gives rank r the r-th slice of each global micro-batch); evaluation keeps each rank's own.
     """
 
     def __init__(
@@ -178,6 +191,8 @@ class MoE(nn.Module):
         # reads and clears it); not part of the state dict. Counted only when ``count_load`` is set.
         self.register_buffer("step_counts", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
         self.count_load = False
+        # Sums a tensor over the data-parallel ranks, differentiably (class docstring); training only.
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """The routing decision: scores (T, E) -> topk_idx (T, k) over ``scores + expert_bias``."""
@@ -207,27 +222,50 @@ class MoE(nn.Module):
         x_exp = self.backend.expand(x2.to(compute_dtype(x2)), rmap)  # (R, dim)
         y_exp = self.experts(x_exp, rmap.offs)  # (R, dim)
         y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
-        stats = self._stats(scores, topk_idx, token_mask)
+        real = self._real_tokens(scores, token_mask)  # (T,)
+        counts = self._counts(topk_idx, real)  # (E,), this rank's
+        stats = self._stats(scores, counts, real)
         # Training forwards only: not evaluation (its routing must not steer the next update), not
         # an activation-checkpoint recompute (the same tokens a second time).
         if self.count_load and self.training and not is_recomputing():
-            self.step_counts.add_(stats.counts)
+            self.step_counts.add_(counts)
         return y.to(x.dtype).reshape(shape), stats
 
-    def _stats(self, scores: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> MoEStats:
+    def _real_tokens(self, scores: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        """(T,) fp32, 1 for a real token, 0 for padding."""
         T = scores.shape[0]
         if token_mask is None:
-            real = scores.new_ones(T)
-        else:
-            if token_mask.numel() != T:
-                raise ValueError(f"MoE: token_mask has {token_mask.numel()} entries for {T} tokens")
-            real = token_mask.reshape(T).to(scores.dtype)  # (T,)
+            return scores.new_ones(T)
+        if token_mask.numel() != T:
+            raise ValueError(f"MoE: token_mask has {token_mask.numel()} entries for {T} tokens")
+        return token_mask.reshape(T).to(scores.dtype)
+
+    def _counts(self, topk_idx: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """(E,) fp32, detached: routed slots of real tokens per expert."""
         slot_real = real.unsqueeze(-1).expand_as(topk_idx).reshape(-1)  # (T*k,)
-        counts = scores.new_zeros(self.n_experts).scatter_add_(0, topk_idx.reshape(-1), slot_real)  # (E,)
-        n_real = real.sum().clamp(min=1)
-        f = counts / (n_real * self.top_k)  # (E,)
-        p = (scores * real.unsqueeze(-1)).sum(0) / n_real  # (E,)
-        return MoEStats(aux_loss=self.n_experts * (f * p).sum(), counts=counts.detach())
+        return real.new_zeros(self.n_experts).scatter_add_(0, topk_idx.reshape(-1), slot_real).detach()
+
+    def _stats(self, scores: torch.Tensor, counts: torch.Tensor, real: torch.Tensor) -> MoEStats:
+        """The aux loss from this rank's sums, reduced over the data-parallel ranks in training.
+
+        Why the gradient comes out exact (R data-parallel ranks, each backpropagating its own loss,
+        FSDP averaging the gradients): every rank gets the same global sums and hence the same
+        aux loss L(P_sum), P_sum = sum over ranks r of P_sum_r (rank r's summed probabilities).
+        The sum's backward adds the incoming gradients of all R ranks, so rank r's router sees
+        R * dL/dP_sum * dP_sum_r/dtheta; FSDP's average over the R ranks divides by R again,
+        leaving sum_r dL/dP_sum * dP_sum_r/dtheta = dL/dtheta of one process holding the whole
+        global micro-batch. The counts (f_i) and the token count carry no gradient.
+        """
+        E = self.n_experts
+        n_real = real.sum().reshape(1)  # (1,)
+        p_sum = (scores * real.unsqueeze(-1)).sum(0)  # (E,), with gradient
+        sums = torch.cat([p_sum, counts, n_real])  # (2E + 1,): one collective for all three
+        if self.training and self.reduce_stats is not None:
+            sums = self.reduce_stats(sums)
+        p_sum, slots, n_real = sums[:E], sums[E : 2 * E].detach(), sums[2 * E :].detach().clamp(min=1)
+        f = slots / (n_real * self.top_k)  # (E,)
+        p = p_sum / n_real  # (E,)
+        return MoEStats(aux_loss=E * (f * p).sum(), counts=counts)
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor, rate: float) -> None:

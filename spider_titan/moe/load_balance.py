@@ -10,6 +10,12 @@ mode (validation between steps) and a forward re-run by activation checkpointing
 (moe/routing_replay.py tells) are not counted. Before the update they are summed over all ranks,
 so the result does not depend on gradient accumulation or world size. The update is a post-step
 hook the builder runs after every optimizer step (registry kind ``load_balance``).
+
+All ranks are the data-parallel ranks here (every rank loads its own data; under expert parallel
+each rank counts its own tokens' routing, before the dispatch), so the bias follows the global
+batch's load: global-batch statistics, like the aux loss's f_i and P_i (moe/layer.py), which are
+summed over the same ranks per micro-batch instead, because a micro-batch's loss is needed
+before the next one is seen.
 """
 
 from __future__ import annotations

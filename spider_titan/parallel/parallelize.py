@@ -1,25 +1,30 @@
 """The ``parallelize`` component: apply the parallelisms ParallelDims asks for, in order.
 
 Order: expert parallel (shards the experts over "ep"), then FSDP2 / HSDP over the data-parallel
-ranks (dense parameters over "fsdp", expert parameters over "efsdp"). Everything is applied in
-place to an already materialised model.
+ranks (dense parameters over "fsdp", expert parameters over "efsdp"), then global-batch statistics
+(the MoE balance statistics summed over the data-parallel ranks). Everything is applied in place
+to an already materialised model.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from spider_titan.models.common import ModelSpec
+from spider_titan.moe.layer import MoE
 from spider_titan.parallel.comm_counter import CommCounter
 from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from spider_titan.parallel.fsdp import apply_forward_prefetch, apply_fsdp, device_memory_bytes, keep_gathered
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
+from spider_titan.parallel.utils import differentiable_all_reduce_sum
 
 logger = logging.getLogger("spider_titan")
 
@@ -136,7 +141,25 @@ def apply_parallelism(
         dims.describe(), len(units), ", ".join(f for f, _ in units),
         str(param_dtype).replace("torch.", ""), str(reduce_dtype).replace("torch.", ""),
     )
+    # Every rank loads its own data ("world" is the data-parallel group; under expert parallel
+    # too, the EP ranks of a group hold different tokens). Only under FSDP: the exactness of the
+    # gradient rests on FSDP averaging it over these same ranks (moe/layer.py, MoE._stats).
+    n = apply_global_batch_statistics(model, meshes["world"].get_group())
+    if n:
+        logger.info("global-batch load balancing: %d MoE layers' balance statistics summed over %d "
+                    "data-parallel ranks", n, dims.dp_degree)
     return counter
+
+
+def apply_global_batch_statistics(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Make every MoE layer's balance statistics (f_i, P_i, token count) sums over ``group``, the
+    data-parallel ranks, so the aux loss is that of the global micro-batch and training does not
+    depend on the number of ranks (Qiu et al. 2025, arXiv 2501.11873). One all-reduce of 2E+1
+    floats per MoE call in forward and one in backward. Returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.reduce_stats = functools.partial(differentiable_all_reduce_sum, group=group)
+    return len(layers)
 
 
 def _loop_owners(spec: ModelSpec) -> list[str]:

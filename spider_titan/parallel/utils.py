@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 
@@ -16,6 +17,26 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group``; the backward sums the incoming gradients over ``group`` as well (the
+    adjoint of "every rank gets the sum of every rank's input"). Functional collectives, so
+    ``torch.compile(fullgraph=True)`` traces it inside a block without a graph break."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+def differentiable_all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` summed over the ranks of ``group``, with gradient (see ``_AllReduceSum``)."""
+    return _AllReduceSum.apply(t, group)
 
 
 def world_size() -> int:

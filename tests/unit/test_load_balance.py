@@ -101,3 +101,59 @@ def test_registry_hands_the_update_to_the_builder_as_a_post_step_hook():
     assert hooks("aux_loss") == []
     (update,) = hooks("aux_free")
     assert isinstance(update.__self__, AuxFreeBalancer)
+
+
+# ---------------------------------------------------------------- global-batch statistics
+
+
+def _moe_layer():
+    torch.manual_seed(0)
+    moe = MoE(dim=16, n_experts=4, top_k=2, inter_dim=16)
+    moe.init_weights(0.5, 0.02)
+    x = torch.randn(3, 5, 16)
+    mask = torch.rand(3, 5) > 0.3
+    return moe, x, mask
+
+
+def test_reduce_stats_as_two_identical_ranks_keeps_the_loss_and_the_gradient():
+    """A reducer that doubles its input is what two ranks holding the same tokens would see. The
+    global-batch f_i and P_i equal the local ones, so the aux loss is unchanged; the sum's backward
+    doubles the gradient reaching this rank's sums and the doubled token count halves it, so each
+    rank's router gradient is the single-process one, and so is FSDP's average of the two."""
+    moe, x, mask = _moe_layer()
+    moe.train()
+    _, ref = moe(x, token_mask=mask)
+    ref.aux_loss.backward()
+    ref_grad = moe.router.weight.grad.clone()
+    moe.router.weight.grad = None
+
+    moe.reduce_stats = lambda t: 2 * t
+    _, got = moe(x, token_mask=mask)
+    got.aux_loss.backward()
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss)
+    torch.testing.assert_close(moe.router.weight.grad, ref_grad)
+    torch.testing.assert_close(got.counts, ref.counts)  # counts stay this rank's (telemetry, aux-free)
+
+
+def test_reduce_stats_sums_what_the_loss_uses_in_training_only():
+    """The reducer sees (P sums, slot counts, token count) of this rank's real tokens, in training;
+    an eval forward never calls it (ranks may run different loop counts at eval)."""
+    moe, x, mask = _moe_layer()
+    seen = []
+
+    def record(t):
+        seen.append(t.detach().clone())
+        return t
+
+    moe.reduce_stats = record
+    moe.eval()
+    with torch.no_grad():
+        moe(x, token_mask=mask)
+    assert seen == []
+    moe.train()
+    _, stats = moe(x, token_mask=mask)
+    (sums,) = seen
+    E, n_real = moe.n_experts, int(mask.sum())
+    torch.testing.assert_close(sums[E : 2 * E], stats.counts)
+    assert float(sums[2 * E]) == n_real and float(sums[E : 2 * E].sum()) == 2 * n_real
+    torch.testing.assert_close(sums[:E].sum(), torch.tensor(float(n_real)))  # probabilities sum to 1 per token

@@ -347,6 +347,13 @@ def boundary_loss(seg: Segmentation, target_bytes_per_segment: float, kind: str 
       bytes per segment. Its gradient in G is ``N/(N-1) (N F - 1)``: it lowers p while F > 1/N and
       raises it while F < 1/N, so it holds the compression at N from both sides (minimum 1 at
       F = G = 1/N).
+
+    F and G are per row and the loss is their mean over rows, so it needs no sum over ranks to be
+    split-invariant: a row never straddles ranks, every rank holds the same number of rows, and
+    FSDP's gradient average over the ranks is then the mean over all rows of the global batch
+    (tests/distributed/test_split_invariance.py). H-Net takes F and G over the whole batch
+    instead; that would need the MoE's global-batch sums (moe/layer.py) and is a different
+    objective (it lets single rows stray from the target).
     """
     m = seg.decided.float()
     G = (seg.probs * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
