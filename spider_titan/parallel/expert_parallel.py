@@ -15,7 +15,9 @@ One layer call, E experts, El = E/ep local experts:
 2. The one host sync of the call: ``counts`` and ``recv`` cross to the host together, to size the
    token all-to-all (uneven splits). Steps 1-2 are recorded in forward and replayed by an
    activation-checkpoint recompute (moe/routing_replay.py): no second exchange, no second sync, and
-   the recompute's all-to-alls have the forward's split sizes on every rank.
+   the recompute's all-to-alls have the forward's split sizes on every rank. Under torch.compile
+   the read gives unbacked sizes: ``_check_splits`` states they are sizes that fit the buffer, which
+   inductor needs to lower ``x_exp[:n_send]`` (without it: ``GuardOnDataDependentSymNode`` at step 1).
 3. Differentiable all-to-all of the rows ``x_exp[:offs[-1]]`` (they are expert-major, so the rows
    for EP rank r are one contiguous block). What arrives is rank-major ``[source][expert]``;
    a gather reorders it expert-major ``[expert][source]`` (each expert's rows in source order).
