@@ -15,6 +15,8 @@ import pytest
 from tests.distributed.test_parallelism import COMMON, TRITON, steps
 from tests.utils import check_ok, run_train
 
+pytestmark = pytest.mark.slow  # compile on 2 CPU cores: about 2 minutes per case
+
 SMALL = ["--training.steps", "3", "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
 
 
