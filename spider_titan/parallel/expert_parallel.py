@@ -15,7 +15,9 @@ One layer call, E experts, El = E/ep local experts:
 2. The one host sync of the call: ``counts`` and ``recv`` cross to the host together, to size the
    token all-to-all (uneven splits). Steps 1-2 are recorded in forward and replayed by an
    activation-checkpoint recompute (moe/routing_replay.py): no second exchange, no second sync, and
-   the recompute's all-to-alls have the forward's split sizes on every rank.
+   the recompute's all-to-alls have the forward's split sizes on every rank. Under torch.compile
+   the read gives unbacked sizes: ``_check_splits`` states they are sizes that fit the buffer, which
+   inductor needs to lower ``x_exp[:n_send]`` (without it: ``GuardOnDataDependentSymNode`` at step 1).
 3. Differentiable all-to-all of the rows ``x_exp[:offs[-1]]`` (they are expert-major, so the rows
    for EP rank r are one contiguous block). What arrives is rank-major ``[source][expert]``;
    a gather reorders it expert-major ``[expert][source]`` (each expert's rows in source order).
@@ -93,6 +95,14 @@ def expert_major_index(recv: torch.Tensor, total: int) -> torch.Tensor:
     return starts_em[block] + (row - first_row_em[block])
 
 
+def _check_splits(send_splits: list[int], recv_splits: list[int], rows: int) -> None:
+    """Facts about the split sizes that torch.compile cannot know (they come from the host read, so
+    under compile they are unbacked symbols): non-negative, and what is sent fits in the buffer."""
+    for s in (*send_splits, *recv_splits):
+        torch._check_is_size(s)
+    torch._check(sum(send_splits) <= rows)
+
+
 def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
@@ -116,6 +126,7 @@ class ExpertParallelExperts(GroupedExperts):
         # the recompute neither exchanges counts nor syncs, and sends exactly what the forward did.
         send_splits, recv_splits, recv = replay_or_record(lambda: self._exchange_counts(offs))
         n_send, n_recv = sum(send_splits), sum(recv_splits)
+        _check_splits(send_splits, recv_splits, x_exp.shape[0])
 
         x_recv = all_to_all(x_exp[:n_send], recv_splits, send_splits, group, self.comm_counter, self.comm_tag)
         recv = recv.view(ep, n_local)
