@@ -4,26 +4,19 @@
 
 The trainer is a straight line: ``Trainer.__init__`` builds everything through the builder, then
 ``train`` runs ``train_step`` until the step budget is spent, and ``main`` always calls ``close``.
-
-Step health costs no host sync per step: every step folds "loss or gradient norm non-finite" and
-"no label tokens in the global batch" into device-side flags (:class:`StepHealth`), which are read
-at log steps, before every checkpoint and at the end. The first bad step stops the run with one
-line naming it and the last good checkpoint (``training.skip_nonfinite_steps`` skips up to N
-non-finite updates in a row instead, at the price of one sync per step).
+The loop's helpers live in ``spider_titan/training/``: step health (bad steps are recorded on the
+device and read where the loop syncs anyway), stop signals, the validation pass, and the accounting
+of tokens, FLOPs and rates.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shlex
 import signal
 import sys
-import threading
-import time
-from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -37,176 +30,16 @@ from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
 from spider_titan.errors import WriteFailed, describe_failure
-from spider_titan.metrics.logger import (
-    Throughput,
-    format_duration,
-    memory_gib,
-    peak_flops,
-    setup_logging,
-    shell_command,
-)
+from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
 from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
+from spider_titan.training.health import NoLabelsError, StepHealth
+from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
+from spider_titan.training.signals import STOP_SIGNALS, Interrupted, StopSignal, exit_now
+from spider_titan.training.validation import Validator
 
 logger = logging.getLogger("spider_titan")
-
-LN2 = math.log(2.0)
-
-
-class TrainState:
-    """Step counter, tokens seen and training FLOPs spent: a Stateful, checkpointed with the run."""
-
-    def __init__(self):
-        self.step = 0
-        self.tokens_seen = 0
-        self.flops = 0.0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "flops": self.flops}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
-        self.flops = float(state.get("flops", 0.0))
-
-
-class NonFiniteError(FloatingPointError):
-    """A step's loss or gradient norm was not finite (or the model state is): the run stops."""
-
-
-class NoLabelsError(ValueError):
-    """A batch or split with no label tokens: there is nothing to learn from it."""
-
-
-class StepHealth:
-    """Device-side record of bad steps, read on the host only when asked (:meth:`read`).
-
-    first_bad:   first step whose loss or gradient norm was non-finite (NONE: none yet)
-    bad_loss, bad_norm: that step's loss (per label token, this rank's) and gradient norm
-    first_empty: first step whose global batch held no label token (NONE: none yet)
-    """
-
-    NONE = 2**62
-
-    def __init__(self, device: torch.device):
-        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self.first_empty = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self.bad_loss = torch.zeros((), device=device)
-        self.bad_norm = torch.zeros((), device=device)
-
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, label_tokens: torch.Tensor) -> torch.Tensor:
-        """Fold step ``step`` in. Returns "the gradient norm is non-finite": the same on every rank
-        (the norm is all-reduced), so every rank takes the same skip decision on it."""
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        first = bad & (self.first_bad == self.NONE)
-        self.first_bad = torch.where(first, step, self.first_bad)
-        self.bad_loss = torch.where(first, loss.float(), self.bad_loss)
-        self.bad_norm = torch.where(first, grad_norm.float(), self.bad_norm)
-        self.first_empty = torch.where((label_tokens == 0) & (self.first_empty == self.NONE), step, self.first_empty)
-        return ~torch.isfinite(grad_norm)
-
-    def clear_nonfinite(self) -> None:
-        """Forget a skipped non-finite step (``training.skip_nonfinite_steps``)."""
-        self.first_bad.fill_(self.NONE)
-
-    def read(self) -> tuple[int, int, float, float]:
-        """(first_bad, first_empty, bad_loss, bad_norm), -1 for none: one sync, and one min
-        all-reduce so every rank sees the earliest bad step of any rank."""
-        steps = torch.stack([self.first_bad, self.first_empty])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(steps, op=dist.ReduceOp.MIN)
-        first_bad, first_empty = (-1 if v == self.NONE else int(v) for v in steps.tolist())
-        loss, norm = torch.stack([self.bad_loss, self.bad_norm]).tolist()
-        return first_bad, first_empty, loss, norm
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal that does not wait for a step boundary (the end-of-run export, see
-    :meth:`StopSignal.at_once`); the process ends with 128 + ``signum``."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def exit_now(signum: int, line: str) -> None:
-    """Write ``line`` to stderr and end the process with 128 + ``signum`` at once: no traceback and no
-    clean-up that could hang (a save in flight, collectives with ranks that are gone: the launcher
-    stops those). A save cut short stays ``step-N.tmp-*``, which is never loaded and removed at start."""
-    for sig in STOP_SIGNALS:  # a third signal cannot interrupt the exit
-        signal.signal(sig, signal.SIG_IGN)
-    try:
-        sys.stdout.flush()
-    except (OSError, RuntimeError, ValueError):  # the signal may land inside a write to stdout
-        pass
-    os.write(2, (line + "\n").encode())
-    os._exit(128 + signum)
-
-
-class StopSignal:
-    """SIGTERM / SIGINT (preemption, Ctrl-C) ask the run to stop at the next step boundary.
-
-    The handler only sets a flag; the train loop finishes its step (validation: its batch), every
-    rank agrees on the same stop point (a max all-reduce over a CPU gloo group, so no GPU sync per
-    step), a checkpoint is written, and the process exits with 128 + the signal. A second signal
-    exits at once with one line (:func:`exit_now`); inside :meth:`at_once` the first one raises
-    :class:`Interrupted`. Handlers are installed by the command-line entry point only
-    (:meth:`install`): a Trainer built inside another program (a test suite, a notebook) leaves
-    that program's signals alone.
-    """
-
-    def __init__(self, world_size: int):
-        self.signum: int | None = None  # the stop asked for, here or (after :meth:`requested`) on another rank
-        self.received = 0  # signals this process got: another rank's does not make ours the second
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.previous = {}
-        self.raise_at_once = False
-        self.second_line: Callable[[str], str] = lambda name: f"{name} received again: stopped at once"
-
-    def install(self, second_line: Callable[[str], str] | None = None) -> None:
-        """Handle SIGTERM and SIGINT; ``second_line(signal name)`` is the line a second signal prints."""
-        if second_line is not None:
-            self.second_line = second_line
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        self.received += 1
-        if self.received > 1:  # the second one: stop now
-            exit_now(signum, self.second_line(name))
-        self.signum = signum
-        if self.raise_at_once:
-            raise Interrupted(signum)
-        logger.warning("%s received: stopping after this step or validation batch (a second one stops at once)", name)
-
-    @contextmanager
-    def at_once(self):
-        """A first signal inside this block raises :class:`Interrupted` instead of waiting for a step
-        boundary: for work with no boundary to wait for (the end-of-run export)."""
-        self.raise_at_once = True
-        try:
-            yield
-        finally:
-            self.raise_at_once = False
-
-    def requested(self) -> bool:
-        flag = torch.tensor([self.signum or 0], dtype=torch.int64)
-        if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() and self.signum is None:
-            self.signum = int(flag.item())  # another rank was signalled
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous = {}
 
 
 class Trainer:
@@ -244,12 +77,19 @@ class Trainer:
         self.checkpointer.load()
         self.data_iter = iter(self.run.train_loader)
         self.stop = StopSignal(self.world_size)
-        self.health = StepHealth(self.run.device)
-        # Validation replays the same batches every time: remember where its loader starts.
-        self.val_start = self.run.val_loader.state_dict() if self.run.val_loader is not None else None
-        self.throughput = Throughput(self.run.device)
+        run, t = self.run, cfg.training
+        self.health = StepHealth(run.device, data=run.train_loader.dataset.description,
+                                 skip_limit=t.skip_nonfinite_steps, latest_good=self.checkpointer.latest_good,
+                                 saving=cfg.checkpoint.enable, command=self.command)
+        # Validation replays the same batches every time, from where its loader stands now.
+        self.validator = Validator(run.model, run.spec, run.model_args, run.val_loader, cfg.validation,
+                                   device=run.device, autocast=self._autocast, stop=self.stop,
+                                   world_size=self.world_size) if run.val_loader is not None else None
+        self.progress = Progress(self.state, t, device=run.device, dp_degree=run.parallel_dims.dp_degree,
+                                 world_size=self.world_size, total_steps=run.total_steps,
+                                 flops_per_byte=run.spec.flops_per_token(run.model_args, t.seq_len),
+                                 val_freq=cfg.validation.freq if run.val_loader is not None else None)
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
-        self.skipped_in_a_row = 0  # non-finite updates skipped since the last good step
         self.log_start_block()
 
     def log_start_block(self) -> None:
@@ -332,10 +172,7 @@ class Trainer:
 
         grad_norm = clip_grad_norm_(list(model.parameters()), self.cfg.training.max_norm)
         bad = self.health.record(step, ce_total / global_tokens * dp, grad_norm, label_tokens)
-        if self.cfg.training.skip_nonfinite_steps > 0 and bool(bad):  # the one sync this option costs
-            self._skip_update(step)
-        else:
-            self.skipped_in_a_row = 0
+        if not self.health.skip_update(step, bad):  # reads ``bad`` only with training.skip_nonfinite_steps
             run.optimizer.step()
             for hook in run.post_step_hooks:
                 hook()
@@ -343,130 +180,17 @@ class Trainer:
         run.optimizer.zero_grad(set_to_none=True)
 
         metrics = {"ce_sum": ce_total, "label_tokens": global_tokens, "grad_norm": grad_norm}
-        metrics.update({f"aux.{k}": v for k, v in aux_totals.items()})
+        metrics.update({AUX + k: v for k, v in aux_totals.items()})
         return metrics
-
-    def _skip_update(self, step: int) -> None:
-        """Drop step ``step``'s update; past ``skip_nonfinite_steps`` of them in a row, stop."""
-        self.skipped_in_a_row += 1
-        limit = self.cfg.training.skip_nonfinite_steps
-        if self.skipped_in_a_row > limit:
-            self.check_health(step, why=f"{self.skipped_in_a_row} non-finite steps in a row, "
-                                        f"training.skip_nonfinite_steps = {limit}")
-        logger.warning("step %d: non-finite loss or gradient norm; update skipped (%d of at most %d in a row)",
-                       step, self.skipped_in_a_row, limit)
-        self.health.clear_nonfinite()
-
-    def check_health(self, step: int, *, why: str = "") -> None:
-        """Read the device-side flags (one sync); raise for a non-finite or empty step so far."""
-        first_bad, first_empty, bad_loss, bad_norm = self.health.read()
-        if first_empty >= 0:
-            raise NoLabelsError(
-                f"step {first_empty}: the global batch holds no label tokens (every target is PAD) in "
-                f"{self.run.train_loader.dataset.description}; the data has nothing to learn there"
-            )
-        if first_bad >= 0:
-            what = "loss" if not math.isfinite(bad_loss) else "gradient norm"
-            raise NonFiniteError(
-                f"step {first_bad}: non-finite {what} (loss {bad_loss:.4g}, grad norm {bad_norm:.4g}"
-                f"{'; ' + why if why else ''}; detected at step {step}); {self._resume_hint()}"
-            )
-
-    def _resume_hint(self) -> str:
-        """'last good checkpoint ...; resume with ...' for the one-line stop messages."""
-        good = self.checkpointer.latest_good()
-        if good is None:
-            where = "no checkpoint was saved" if self.cfg.checkpoint.enable else "checkpoint.enable is false, nothing was saved"
-            return f"{where}; lower optimizer.lr or set training.skip_nonfinite_steps and start again"
-        step, path = good
-        return (f"last good checkpoint {path}; resume from it with: {self.command} --checkpoint.load_step {step} "
-                "(lower optimizer.lr or set training.skip_nonfinite_steps first)")
-
-    def reduce_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Global means of the step's metrics (one all-reduce), as floats."""
-        keys = sorted(k for k in metrics if k.startswith("aux."))
-        local = torch.stack([metrics["ce_sum"]] + [metrics[k].reshape(()) for k in keys]).double()
-        total = all_reduce_sum(local).tolist()
-        ws = self.world_size
-        lm_loss = total[0] / float(metrics["label_tokens"])
-        out = {"loss": lm_loss, "bpb": lm_loss / LN2, "grad_norm": float(metrics["grad_norm"])}
-        out.update({k[4:]: total[i + 1] / ws for i, k in enumerate(keys)})
-        return out
-
-    @torch.no_grad()
-    def validate(self) -> dict[str, float] | None:
-        """Loss and bits per byte on the validation split (the same batches every time), once per
-        eval variant of the model (e.g. Spider at 1, 2, 4 loops); the plain variant also reports
-        the model's own figures (``val_<aux key>``). None when a stop signal came: it is checked
-        before every batch (one CPU all-reduce), and a validation cut short is not reported."""
-        run = self.run
-        loader = run.val_loader
-        variants = run.spec.eval_variants(run.model_args) if run.spec.eval_variants is not None else [("", {})]
-        steps = self.cfg.validation.steps if self.cfg.validation.steps >= 0 else loader.num_windows // loader.global_batch_size
-        run.model.eval()
-        results: dict[str, float] = {}
-        for suffix, kwargs in variants:
-            ce, n = torch.zeros((), device=run.device), torch.zeros((), device=run.device)
-            aux_sums: dict[str, torch.Tensor] = {}
-            batches = 0
-            loader.load_state_dict(self.val_start)
-            for i, (inputs, labels) in enumerate(loader):
-                if i >= max(steps, 1):
-                    break
-                if self.stop.requested():
-                    run.model.train()
-                    return None
-                inputs, labels = inputs.to(run.device), labels.to(run.device)
-                with self._autocast():
-                    out = run.model(inputs, **kwargs)
-                ce += run.spec.loss_sum(out.logits, labels)
-                n += (labels != IGNORE_INDEX).sum()
-                batches += 1
-                if not suffix:
-                    for key, value in out.aux.items():
-                        aux_sums[key] = aux_sums.get(key, 0) + value.detach().float()
-            keys = sorted(aux_sums)
-            total = all_reduce_sum(torch.stack([ce, n.float()] + [aux_sums[k] for k in keys]).double()).tolist()
-            if total[1] == 0:
-                raise NoLabelsError(
-                    f"validation: {loader.dataset.description} holds no label tokens (every target is PAD) in "
-                    f"its first {batches} batches; fix the val split or set validation.enable = false"
-                )
-            loss = total[0] / total[1]
-            results[f"val_loss{suffix}"] = loss
-            results[f"val_bpb{suffix}"] = loss / LN2
-            for j, key in enumerate(keys):
-                results[f"val_{key}"] = total[j + 2] / (batches * self.world_size)
-        run.model.train()
-        return results
-
-    def _fold_flops(self) -> float:
-        """Add the FLOPs of the steps since the last fold (all ranks) to the train state; returns them."""
-        flops = all_reduce_sum(self.pending_flops).item()
-        self.pending_flops.zero_()
-        self.state.flops += flops
-        return flops
 
     def train(self) -> int:
         """Train to ``training.steps``; the exit status: 0, or 128 + signal when a signal stopped the run."""
         run, cfg = self.run, self.cfg
-        t = cfg.training
-        local_tokens_per_step = t.local_batch_size * t.gradient_accumulation_steps * t.seq_len
-        tokens_per_step = local_tokens_per_step * run.parallel_dims.dp_degree
-        # FLOPs per byte: the model's own figure for the step actually run when it reports one
-        # (Spider: from its segmentation), else the spec's formula. Summed on the device.
-        formula_flops = run.spec.flops_per_token(run.model_args, t.seq_len)
-        self.pending_flops = torch.zeros((), dtype=torch.float64, device=run.device)
-        peak = peak_flops(run.device)
         start_step = self.state.step
-        self.t_start = time.perf_counter()
-        step_time: float | None = None  # smoothed seconds per training step (validation excluded)
-        val_time = 0.0
-        interval_flops = 0.0
-        self.throughput.reset()
+        self.progress.start()
         if 0 < start_step == run.total_steps:  # resumed at the last step (a stop there): its end-of-run work remains
             logger.info("step %d, the last, is trained: its validation, final save and export follow", start_step)
-            val = self.validate() if run.val_loader is not None else {}
+            val = self.validator() if self.validator is not None else {}
             if val is None:
                 return self._stop(start_step, ", during the final validation")
             if val:
@@ -475,61 +199,34 @@ class Trainer:
         while self.state.step < run.total_steps:
             step = self.state.step + 1
             metrics = self.train_step(self.next_micro_batches(), step)
-            fpb = metrics.get("aux.flops_per_byte")
-            self.pending_flops += (fpb.double() if fpb is not None else formula_flops) * local_tokens_per_step
             self.state.step = step
-            self.state.tokens_seen += tokens_per_step
-            self.throughput.add(tokens_per_step)
+            self.progress.add_step(metrics)  # tokens, and FLOPs summed on the device
             last = step == run.total_steps
             log_now = step % cfg.metrics.log_freq == 0 or step == start_step + 1 or last
-            val_now = run.val_loader is not None and (step % cfg.validation.freq == 0 or last)
+            val_now = self.validator is not None and (step % cfg.validation.freq == 0 or last)
             stopping = self.stop.requested()  # at the last step too: its validation and export may take minutes
             save_now = self.checkpointer.save_due(step, last=last, stopping=stopping)
             if log_now or val_now or save_now:
-                self.check_health(step)  # never log, validate or save past a bad step
-                interval_flops += self._fold_flops()
+                self.health.check(step)  # never log, validate or save past a bad step
+                self.progress.fold_flops()
             if log_now:
-                scalars = self.reduce_metrics(metrics)
-                tps, sps = self.throughput.rates()
-                step_time = sps if step_time is None else 0.7 * step_time + 0.3 * sps
-                remaining = run.total_steps - step
-                vals_left = remaining // cfg.validation.freq + 1 if run.val_loader is not None and remaining else 0
-                flops_per_byte = interval_flops / max(self.throughput.tokens, 1)
-                scalars.update(
-                    total_steps=run.total_steps,
-                    elapsed_s=time.perf_counter() - self.t_start,
-                    eta_s=remaining * step_time + vals_left * val_time,
-                    lr=run.lr_scheduler.get_last_lr()[0],
-                    tokens_per_s=tps,
-                    tokens_seen=self.state.tokens_seen,
-                    train_flops=self.state.flops,
-                    tflops=flops_per_byte * tps / self.world_size / 1e12,
-                    memory_gib=memory_gib(run.device),
-                )
-                if peak:
-                    scalars["mfu"] = flops_per_byte * tps / self.world_size / peak
+                scalars = reduce_metrics(metrics, self.world_size)
+                scalars.update(self.progress.step_scalars(step, lr=run.lr_scheduler.get_last_lr()[0]))
                 run.metric_logger.log(step, scalars)
-                self.throughput.reset()
-                interval_flops = 0.0
+                self.progress.new_interval()
             if val_now and not stopping:
-                t0 = time.perf_counter()
-                val = self.validate()
+                val = self.progress.timed_validation(self.validator)
                 if val is None:  # a signal during validation: abandoned, nothing of it reported
                     return self._stop(step, ", during its validation (not reported)")
-                val_time = time.perf_counter() - t0
-                remaining = run.total_steps - step
-                vals_left = remaining // cfg.validation.freq + 1 if remaining else 0
-                self._report_validation(step, val, eta_s=remaining * (step_time or 0.0) + vals_left * val_time)
-                self.throughput.reset()
-                interval_flops = 0.0
+                self._report_validation(step, val)
+                self.progress.new_interval()
             if stopping:
                 return self._stop(step, ", the last (resuming runs its end-of-run work)" if last else "")
             self.checkpointer.maybe_save(step, last=last)
         return self._export_at_end(self.state.step)
 
-    def _report_validation(self, step: int, val: dict[str, float], eta_s: float = 0.0) -> None:
-        val.update(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops,
-                   elapsed_s=time.perf_counter() - self.t_start, total_steps=self.run.total_steps, eta_s=eta_s)
+    def _report_validation(self, step: int, val: dict[str, float]) -> None:
+        val.update(self.progress.val_scalars(step))
         self.run.metric_logger.log(step, val)
         if self.best_val is None or val["val_bpb"] < self.best_val[0]:
             self.best_val = (val["val_bpb"], step)
@@ -537,7 +234,7 @@ class Trainer:
     def _stop(self, step: int, where: str) -> int:
         """A signal stopped the run after ``step``: save a full checkpoint there (a resume point, also at
         the last step), say where it stopped and how to resume; the exit status."""
-        self.check_health(step)  # never save past a bad step
+        self.health.check(step)  # never save past a bad step
         self.checkpointer.maybe_save(step, stopping=True)
         name = signal.Signals(self.stop.signum).name
         if self.rank == 0:
@@ -575,9 +272,8 @@ class Trainer:
 
     def log_end_block(self) -> None:
         """What the run produced and how to use it, once at the end."""
-        elapsed = time.perf_counter() - self.t_start
         logger.info("done: %d steps, %d bytes, %.3g training FLOPs in %s", self.state.step, self.state.tokens_seen,
-                    self.state.flops, format_duration(elapsed))
+                    self.state.flops, format_duration(self.progress.elapsed()))
         if self.best_val is not None:
             logger.info("best val bpb %.4f at step %d", *self.best_val)
         # Commands that work as printed: this interpreter (the venv's) and this checkout's scripts.

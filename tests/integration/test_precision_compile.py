@@ -8,6 +8,7 @@ from tests.utils import check_ok, read_metrics, run_train
 from tests.utils import train_losses as train_losses_of
 from spider_titan.config.manager import parse_args
 from spider_titan.train import Trainer
+from spider_titan.training.progress import reduce_metrics
 
 
 def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]:
@@ -23,7 +24,8 @@ def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]
     try:
         for _ in range(steps):
             step = len(losses) + 1
-            losses.append(trainer.reduce_metrics(trainer.train_step(trainer.next_micro_batches(), step))["loss"])
+            metrics = trainer.train_step(trainer.next_micro_batches(), step)
+            losses.append(reduce_metrics(metrics, trainer.world_size)["loss"])
             if on_step is not None:
                 on_step()
         return losses

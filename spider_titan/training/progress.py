@@ -1,0 +1,153 @@
+"""The train loop's accounting: what a run has done (:class:`TrainState`, checkpointed), a step's
+metrics as logged numbers (:func:`reduce_metrics`), and the rates around them (:class:`Progress`:
+training FLOPs, tokens/s, TFLOP/s, MFU, smoothed step time, ETA)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from spider_titan.config.job_config import Training
+from spider_titan.metrics.logger import Throughput, memory_gib, peak_flops
+from spider_titan.parallel.utils import all_reduce_sum
+
+LN2 = math.log(2.0)
+
+# A step's metrics hold the model's own figures (``ModelOutput.aux``) under this prefix.
+AUX = "aux."
+# The aux key of a model that reports the training FLOPs per byte of the forward it ran (Spider: from
+# its segmentation and loops run); a model without it is counted by its spec's ``flops_per_token``.
+FLOPS_PER_BYTE = "flops_per_byte"
+
+T = TypeVar("T")
+
+
+class TrainState:
+    """Step counter, tokens seen and training FLOPs spent: a Stateful, checkpointed with the run."""
+
+    def __init__(self):
+        self.step = 0
+        self.tokens_seen = 0
+        self.flops = 0.0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "flops": self.flops}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.flops = float(state.get("flops", 0.0))
+
+
+def reduce_metrics(metrics: dict[str, torch.Tensor], world_size: int) -> dict[str, float]:
+    """Global means of a step's metrics (``Trainer.train_step``'s, one all-reduce), as floats: loss and
+    bpb per label token, the gradient norm, and each aux figure averaged over ranks."""
+    keys = sorted(k for k in metrics if k.startswith(AUX))
+    local = torch.stack([metrics["ce_sum"]] + [metrics[k].reshape(()) for k in keys]).double()
+    total = all_reduce_sum(local).tolist()
+    lm_loss = total[0] / float(metrics["label_tokens"])
+    out = {"loss": lm_loss, "bpb": lm_loss / LN2, "grad_norm": float(metrics["grad_norm"])}
+    out.update({k[len(AUX):]: total[i + 1] / world_size for i, k in enumerate(keys)})
+    return out
+
+
+class Progress:
+    """Counts the run's tokens and FLOPs into ``state`` and turns them into the rates logged at log
+    steps and validations.
+
+    FLOPs per byte are the model's own figure for the step actually run when it reports one (aux
+    :data:`FLOPS_PER_BYTE`), else ``flops_per_byte`` (the spec's formula). They are summed on the device
+    every step and brought to the host only by :meth:`fold_flops`, which the loop calls where it syncs
+    anyway. Rates cover the interval since the last log or validation (:meth:`new_interval`);
+    ``val_freq`` is None for a run without validation.
+    """
+
+    def __init__(self, state: TrainState, training: Training, *, device: torch.device, dp_degree: int,
+                 world_size: int, total_steps: int, flops_per_byte: float, val_freq: int | None):
+        self.state = state
+        self.device = device
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.val_freq = val_freq
+        self.formula_flops = flops_per_byte
+        self.local_tokens_per_step = training.local_batch_size * training.gradient_accumulation_steps * training.seq_len
+        self.tokens_per_step = self.local_tokens_per_step * dp_degree
+        self.throughput = Throughput(device)
+        self.start()
+
+    def start(self) -> None:
+        """The loop begins (again): the clock, the rates and the FLOPs not yet folded start from zero."""
+        self.pending_flops = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.peak = peak_flops(self.device)
+        self.t_start = time.perf_counter()
+        self.step_time: float | None = None  # smoothed seconds per training step (validation excluded)
+        self.val_time = 0.0  # seconds the last validation took
+        self.interval_flops = 0.0
+        self.throughput.reset()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def add_step(self, metrics: dict[str, torch.Tensor]) -> None:
+        """One optimizer step done (``metrics``: its unreduced metrics): its tokens and FLOPs."""
+        fpb = metrics.get(AUX + FLOPS_PER_BYTE)
+        self.pending_flops += (fpb.double() if fpb is not None else self.formula_flops) * self.local_tokens_per_step
+        self.state.tokens_seen += self.tokens_per_step
+        self.throughput.add(self.tokens_per_step)
+
+    def fold_flops(self) -> None:
+        """Add the FLOPs of the steps since the last fold (all ranks: one all-reduce, one sync) to the
+        train state and the interval."""
+        flops = all_reduce_sum(self.pending_flops).item()
+        self.pending_flops.zero_()
+        self.state.flops += flops
+        self.interval_flops += flops
+
+    def eta(self, step: int) -> float:
+        """Seconds left after ``step``: the remaining steps at the smoothed step time, and the remaining
+        validations (the last step always validates) at the last one's duration."""
+        remaining = self.total_steps - step
+        vals_left = remaining // self.val_freq + 1 if self.val_freq is not None and remaining else 0
+        return remaining * (self.step_time or 0.0) + vals_left * self.val_time
+
+    def step_scalars(self, step: int, *, lr: float) -> dict[str, float]:
+        """The numbers logged beside a log step's metrics (one device sync for the clock): elapsed time,
+        ETA, learning rate, tokens/s, tokens and FLOPs so far, TFLOP/s and MFU per rank, peak memory."""
+        tps, sps = self.throughput.rates()
+        self.step_time = sps if self.step_time is None else 0.7 * self.step_time + 0.3 * sps
+        flops_per_byte = self.interval_flops / max(self.throughput.tokens, 1)
+        scalars = dict(
+            total_steps=self.total_steps,
+            elapsed_s=self.elapsed(),
+            eta_s=self.eta(step),
+            lr=lr,
+            tokens_per_s=tps,
+            tokens_seen=self.state.tokens_seen,
+            train_flops=self.state.flops,
+            tflops=flops_per_byte * tps / self.world_size / 1e12,
+            memory_gib=memory_gib(self.device),
+        )
+        if self.peak:
+            scalars["mfu"] = flops_per_byte * tps / self.world_size / self.peak
+        return scalars
+
+    def timed_validation(self, validate: Callable[[], T]) -> T:
+        """``validate()``, its duration kept for the ETA."""
+        t0 = time.perf_counter()
+        result = validate()
+        self.val_time = time.perf_counter() - t0
+        return result
+
+    def val_scalars(self, step: int) -> dict[str, float]:
+        """The numbers logged beside a validation's results."""
+        return dict(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops, elapsed_s=self.elapsed(),
+                    total_steps=self.total_steps, eta_s=self.eta(step))
+
+    def new_interval(self) -> None:
+        """Rates start again (after a log or a validation: their time is not training time)."""
+        self.throughput.reset()
+        self.interval_flops = 0.0
