@@ -32,6 +32,7 @@ from spider_titan.checkpoint import build_checkpointer
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
+from spider_titan.data.shards import DataError
 from spider_titan.metrics.logger import Throughput, format_duration, memory_gib, peak_flops, setup_logging
 from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
@@ -519,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         except (FloatingPointError, NoLabelsError) as e:  # a diverged run or empty data: say where
             if trainer.rank == 0:  # every rank stops at the same step with the same message
                 print(f"error: {e}", file=sys.stderr)
+            return 1
+        except DataError as e:  # a bad token in a shard, seen by the rank that read it
+            print(f"error: {e}", file=sys.stderr)
             return 1
         if trainer.stop.signum is not None:
             return 128 + trainer.stop.signum

@@ -41,6 +41,19 @@ _LAYOUT_HINT = (
 )
 
 
+class DataError(ValueError):
+    """A problem in the data on disk, found while reading it; the message names the file and the fix."""
+
+
+def bad_token_error(path: str | Path, byte_offset: int, value: int) -> DataError:
+    """The one-line error for a token id outside the vocabulary at ``byte_offset`` of the file ``path``."""
+    return DataError(
+        f"{path}: token id {value} at byte offset {byte_offset} is outside the byte vocabulary (0..{VOCAB_SIZE - 1}), "
+        "so the file is not a token shard of this tokenizer (random data, or text renamed .bin?); "
+        "re-make the shards from the text with scripts/prepare_data.py"
+    )
+
+
 def write_shard(path: str | Path, tokens: Sequence[int] | np.ndarray, *, header: bool = False) -> Path:
     """Write ``tokens`` as a uint16 shard at ``path`` (raw, or with the 256-word header); returns the path."""
     path = Path(path)
@@ -62,13 +75,13 @@ def write_shard(path: str | Path, tokens: Sequence[int] | np.ndarray, *, header:
 def read_shard(path: str | Path) -> np.ndarray:
     """The tokens of one shard as a read-only uint16 memmap; the format is detected by the magic.
 
-    Raises ValueError naming the file for an odd byte size, a header whose token count does not
+    Raises DataError naming the file for an odd byte size, a header whose token count does not
     match the file, or an unknown header version.
     """
     path = Path(path)
     size = path.stat().st_size
     if size % 2:
-        raise ValueError(
+        raise DataError(
             f"{path}: {size} bytes is an odd size; a shard holds 2-byte uint16 tokens, "
             "so the file is truncated or not a token shard (rewrite it with scripts/prepare_data.py)"
         )
@@ -78,13 +91,13 @@ def read_shard(path: str | Path) -> np.ndarray:
         if int(words[0]) == HEADER_MAGIC:
             version, count = int(words[1]), int(words[2])
             if version != HEADER_VERSION:
-                raise ValueError(
+                raise DataError(
                     f"{path}: header version {version} is not supported (only {HEADER_VERSION}); "
                     "rewrite the shard with scripts/prepare_data.py"
                 )
             offset, available = HEADER_BYTES, (size - HEADER_BYTES) // 2
             if count != available:
-                raise ValueError(
+                raise DataError(
                     f"{path}: the header says {count} tokens but the file holds {available}; "
                     "the shard is truncated or corrupted (rewrite it with scripts/prepare_data.py)"
                 )
