@@ -33,9 +33,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from spider_titan.data.builtin_corpus import builtin_corpus_dir
-from spider_titan.data.shards import (
-    DataError, bad_token_error, find_shards, find_text_files, iter_documents, read_metadata, read_shard,
-)
+from spider_titan.data.ingest import read_documents
+from spider_titan.data.shards import DataError, bad_token_error, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import encode_bytes
 from spider_titan.models.common import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
@@ -194,18 +193,21 @@ def build_bytes_dataset(path: str | None, *, split: Split, seed: int) -> TokenDa
 
 
 def build_text_dataset(path: str | None, *, split: Split, seed: int) -> TokenDataset:
-    """Text files, folders or ``.jsonl`` (``"text"`` field) at ``path``, tokenized in memory.
+    """The documents at ``path``, tokenized in memory: a file, a folder, ``.jsonl`` (``"text"`` field),
+    ``.gz`` / ``.zst``, Parquet, read by :func:`spider_titan.data.ingest.read_documents` exactly as
+    ``scripts/prepare_data.py`` reads them.
 
-    Each file (or jsonl line) is a document ``[BOS] + bytes + [EOS]``, in the order of
-    :func:`~spider_titan.data.shards.find_text_files`. Document ``i`` is val when
-    ``i % 20 == 1``, so with two or more documents both splits are non-empty; a single document
-    is cut instead, its last 5% of tokens being val. ``seed`` is unused: the split must not change
-    with the training seed.
+    Each document is ``[BOS] + bytes + [EOS]``. Document ``i`` is val when ``i % 20 == 1``, so with
+    two or more documents both splits are non-empty; a single document is cut instead, its last 5%
+    of tokens being val. ``seed`` is unused: the split must not change with the training seed.
     """
     _check_split(split)
     if path is None:
         raise ValueError("dataset 'text' needs training.dataset_path: a text file, a .jsonl file or a folder of them")
-    docs = [encode_bytes(b"".join(chunks)) for chunks in iter_documents(find_text_files([path]))]
+    try:
+        docs = read_documents([path])
+    except ModuleNotFoundError as e:  # pyarrow / zstandard for Parquet / .zst: a setup problem, one line
+        raise ValueError(f"training.dataset_path {path}: {e}") from e
     if len(docs) == 1:
         cut = docs[0].size - docs[0].size // TEXT_VAL_EVERY
         chosen = [docs[0][cut:] if split == "val" else docs[0][:cut]]

@@ -326,3 +326,33 @@ def test_an_id_past_the_probes_stops_the_batch_that_reads_it(tmp_path, monkeypat
     message = str(info.value)
     assert message.startswith(f"{tmp_path / 'train' / 'deep.bin'}: token id 4096 at byte offset {1024 + 2 * bad} ")
     assert "Traceback" not in message and "\n" not in message
+
+
+def test_text_dataset_reads_compressed_jsonl_as_prepare_data_does(tmp_path):
+    """A .jsonl.gz yields its documents' bytes (not the compressed bytes), in the same tokens as
+    prepare_data's reader, and a .txt.gz is one decompressed document."""
+    import gzip
+
+    docs = [f"gzipped document {i}: ✓ text" for i in range(25)]
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    parts = {s: build_text_dataset(str(tmp_path / "docs.jsonl.gz"), split=s, seed=0) for s in ("train", "val")}
+    assert _documents(parts["val"]) == [d for i, d in enumerate(docs) if i % 20 == 1]
+    assert _documents(parts["train"]) == [d for i, d in enumerate(docs) if i % 20 != 1]
+    np.testing.assert_array_equal(parts["train"].arrays[0], np.array(encode(docs[0]), dtype=np.uint16))
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "note.txt.gz").write_bytes(gzip.compress(b"a gzipped note. " * 100))
+    train = build_text_dataset(str(tmp_path / "one" / "note.txt.gz"), split="train", seed=0)
+    assert decode(train.window(0, train.num_tokens)).startswith("a gzipped note. a gzipped note.")
+
+
+def test_text_dataset_with_a_truncated_gzip_is_a_one_line_error(tmp_path):
+    import gzip
+
+    data = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 50}).encode() + b"\n" for i in range(200)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError) as info:
+        build_text_dataset(str(tmp_path / "cut.jsonl.gz"), split="train", seed=0)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'cut.jsonl.gz'}: ") and "truncated" in message and "\n" not in message
