@@ -216,7 +216,14 @@ def parse_args(argv: list[str] | None = None, *, env: dict[str, str] | None = No
         if not path.is_file():
             raise ConfigError([f"job.config_file: {config_file!r} does not exist (give the path of a TOML file)"])
         try:
-            toml_data = tomli.loads(path.read_text())
+            toml_data = tomli.loads(path.read_bytes().decode("utf-8"))
+        except OSError as e:
+            raise ConfigError(
+                [f"job.config_file: cannot read {config_file!r} ({e.strerror}); check its permissions"]
+            ) from None
+        except UnicodeDecodeError as e:
+            raise ConfigError([f"job.config_file: {config_file!r} is not UTF-8 text (byte {e.start}: "
+                               f"{e.object[e.start:e.start + 1]!r}); TOML files are UTF-8, save it as such"]) from None
         except tomli.TOMLDecodeError as e:
             raise ConfigError([f"job.config_file: {config_file!r} is not valid TOML: {e}"]) from None
 

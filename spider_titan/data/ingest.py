@@ -197,7 +197,8 @@ def _reading(name: str, compression: str = "") -> Iterator[None]:
         yield
     except errors as e:
         if isinstance(e, OSError) and e.errno is not None:
-            raise ValueError(f"{name}: cannot read it ({os_error_reason(e)}); check the path and its permissions") from e
+            reason = os_error_reason(e)
+            raise ValueError(f"{name}: cannot read it ({reason}); check the path and its permissions") from e
         what = ("ends before the end of its compressed stream, so it is truncated" if isinstance(e, EOFError)
                 else f"is not valid .{compression} data ({e})")
         tool = {"gz": "gzip", "zst": "zstd"}.get(compression, "gzip")
@@ -457,9 +458,8 @@ def _chunk_tasks(stream: BinaryIO, raw: BinaryIO) -> Iterator[_BytesTask]:
 
 
 def _parquet_tasks(src: Source, key: str) -> Iterator[_ParquetTask]:
-    import pyarrow.parquet as pq
-
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     try:
         meta = pq.ParquetFile(src.path).metadata
@@ -651,16 +651,11 @@ def prepare_shards(
             inputs=[str(i) for i in inputs], files=len(sources), text_key=text_key,
         )
         write_metadata(out, metadata)
-    except BaseException as e:
-        for writer in writers.values():
-            writer.abort()
-        for folder in reversed(made):
-            try:
-                folder.rmdir()
-            except OSError:
-                pass  # not empty (something else wrote there) or never made
-        if isinstance(e, OSError):
-            raise ValueError(_write_error(out, e)) from e
+    except OSError as e:  # the reads raise ValueError (_reading): this is a write under --out
+        _remove_written(writers, made)
+        raise ValueError(_write_error(out, e)) from e
+    except BaseException:
+        _remove_written(writers, made)
         raise
     if val_fraction > 0 and not documents["val"]:
         logger.warning("prepare_data: only 1 document, so the val split is empty; pass more files or a .jsonl")
@@ -669,6 +664,17 @@ def prepare_shards(
         metadata["documents"], metadata["tokens"], writers["train"].num_tokens, writers["val"].num_tokens, out,
     )
     return metadata
+
+
+def _remove_written(writers: dict[str, ShardWriter], made: list[Path]) -> None:
+    """After a failure: every shard written (finished or partial), then the folders made for them."""
+    for writer in writers.values():
+        writer.abort()
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not empty (something else wrote there) or never made
 
 
 def _write_error(out: Path, e: OSError) -> str:

@@ -323,3 +323,13 @@ def test_help_shows_each_range():
     assert "-1 (the whole split) or >= 1" in line
     (line,) = [ln for ln in lines if ln.startswith("  --lr_scheduler.min_lr_factor (")]
     assert "in [0, 1]" in line
+
+
+def test_a_config_file_that_is_not_utf8_is_one_config_error(tmp_path):
+    """Found by tests/integration/test_fuzz_inputs.py: random bytes in a TOML raised UnicodeDecodeError."""
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"[training]\nsteps = 3 # caf\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--job.config_file", str(path)], env={})
+    (line,) = info.value.problems
+    assert line.startswith(f"job.config_file: {str(path)!r} is not UTF-8 text (byte 28: b'\\xe9')"), line
