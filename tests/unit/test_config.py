@@ -332,4 +332,4 @@ def test_a_config_file_that_is_not_utf8_is_one_config_error(tmp_path):
     with pytest.raises(ConfigError) as info:
         parse_args(["--job.config_file", str(path)], env={})
     (line,) = info.value.problems
-    assert line.startswith(f"job.config_file: {str(path)!r} is not UTF-8 text (byte 28: b'\\xe9')"), line
+    assert line.startswith(f"job.config_file: {str(path)!r} is not UTF-8 text (byte 26: b'\\xe9')"), line
