@@ -74,9 +74,18 @@ def read_shard(path: str | Path) -> np.ndarray:
     """The tokens of one shard as a read-only uint16 memmap; the format is detected by the magic.
 
     Raises DataError naming the file for an odd byte size, a header whose token count does not
-    match the file, or an unknown header version.
+    match the file, an unknown header version, or a file that cannot be read (permissions).
     """
     path = Path(path)
+    try:
+        return _read_shard(path)
+    except (FileNotFoundError, DataError):
+        raise
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({os_error_reason(e)}); check its permissions") from e
+
+
+def _read_shard(path: Path) -> np.ndarray:
     size = path.stat().st_size
     if size % 2:
         raise DataError(
