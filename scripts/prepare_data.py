@@ -52,17 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split (default 0)")
     p.add_argument("--workers", type=int, default=default_workers(),
                    help="processes that parse jsonl blocks and Parquet row groups (plain files are framed by the "
-                        "main process); the shards do not depend on it (default min(4, CPUs) = "
-                        f"{default_workers()})")
+                        "main process); the shards do not depend on it (default "
+                        f"{default_workers()}: more pay off only with cores to spare)")
     p.add_argument("--progress_s", type=float, default=10.0,
                    help="log a progress line (docs, MB, MB/s, ETA) at most every this many seconds (default 10)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags and write the shards; a user error exits with status 1 and one line."""
+    """Parse the flags and write the shards; a user error (a bad input, an unwritable or full --out)
+    exits with status 1 and one line on stderr. Progress goes to stdout."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         prepare_shards(
             args.input, args.out, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,

@@ -29,6 +29,7 @@ from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
+from spider_titan.data.shards import DataError
 from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
 from spider_titan.models.common import IGNORE_INDEX
@@ -362,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         except (FloatingPointError, NoLabelsError) as e:  # a diverged run or empty data: say where
             if trainer.rank == 0:  # every rank stops at the same step with the same message
                 print(f"error: {e}", file=sys.stderr)
+            return 1
+        except DataError as e:  # a bad token in a shard, seen by the rank that read it
+            print(f"error: {e}", file=sys.stderr)
             return 1
         if code:
             return code

@@ -4,13 +4,76 @@ Each field is typed, defaulted and documented by the string literal under it; th
 ``--help`` prints (read with ``ast`` by ``config.manager.field_docs``). Enumerated strings are
 ``Literal[...]`` and checked at parse time; component names are checked against the registry.
 
+Number fields that accept only some values declare them with :func:`ranged` (a :class:`Range` in
+the field's metadata); ``config.manager.validate`` checks every field against its range in one place,
+and every float field must be finite.
+
 Precedence: CLI ``--section.key value`` > TOML > these defaults.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+# training.seed is added, shifted left by 40 bits, to int64 sample ids (train.py): it must stay below 2**23.
+MAX_SEED = 2**23 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number field accepts: from ``low`` to ``high`` (None = unbounded; each bound
+    excluded when ``low_open`` / ``high_open``), plus ``special`` values outside that, each with its meaning."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[tuple[float, str], ...] = ()
+
+    def allows(self, value: float) -> bool:
+        if any(value == v for v, _ in self.special):
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def text(self) -> str:
+        """The range alone, e.g. ``in [0, 1]``, ``> 0``, ``-1 (the whole split) or >= 1`` (for --help)."""
+        return self._join("")
+
+    def describe(self, tp: type) -> str:
+        """What to use instead of a refused value, e.g. ``an integer >= 1``, ``a finite number in [0, 1]``."""
+        return self._join("an integer" if tp is int else "a finite number")
+
+    def _join(self, kind: str) -> str:
+        if self.low is not None and self.high is not None:
+            opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            bounds = f"in {opening}{_num(self.low)}, {_num(self.high)}{closing}"
+        elif self.low is not None:
+            bounds = f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        elif self.high is not None:
+            bounds = f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            bounds = ""
+        specials = [f"{_num(v)} ({meaning})" for v, meaning in self.special]
+        main = " ".join(p for p in (kind, bounds) if p)
+        return " or ".join(specials + ([main] if main else []))
+
+
+def _num(value: float) -> str:
+    """A bound as a person writes it: ``8388607``, ``0.5``, ``1e-08``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def ranged(default: float, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False, special: dict[float, str] | None = None) -> Any:
+    """A dataclass field with ``default`` whose values must lie in the :class:`Range` given."""
+    bounds = Range(low, high, low_open, high_open, tuple((special or {}).items()))
+    return field(default=default, metadata={"range": bounds})
 
 
 @dataclass
@@ -43,26 +106,27 @@ class Training:
     ``dataset_path``), ``text`` (text/.jsonl files under ``dataset_path``), ``mock`` (synthetic)."""
     dataset_path: str = ""
     """Folder or file of the dataset (``bytes``: shard folder; ``text``: files or folders)."""
-    seq_len: int = 512
+    seq_len: int = ranged(512, low=1)
     """Bytes per sample (the model sees seq_len inputs and predicts the next byte of each)."""
-    local_batch_size: int = 8
+    local_batch_size: int = ranged(8, low=1)
     """Samples per micro-batch on each data-parallel rank."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = ranged(1, low=1)
     """Micro-batches per optimizer step. Global batch = local_batch_size * accumulation * dp degree."""
     steps: int = 1000
     """Optimizer steps to run (ignored when ``target_tokens`` > 0)."""
-    target_tokens: int = 0
+    target_tokens: int = ranged(0, low=0)
     """When > 0, run until this many tokens (bytes) have been trained on; overrides ``steps``."""
     max_norm: float = 1.0
     """Gradient-norm clipping threshold (total norm over all parameters; <= 0 disables clipping)."""
-    skip_nonfinite_steps: int = 0
+    skip_nonfinite_steps: int = ranged(0, low=0)
     """Non-finite loss or gradient norm: 0 = stop at the first such step (exit 1, naming it and the
     last good checkpoint); N > 0 = skip the update of up to N such steps in a row and stop at the
     next one. Detection costs no host sync per step (a device-side flag read at log steps, before
     each checkpoint and at the end); skipping (N > 0) reads the flag every step, one sync per step.
     A checkpoint is never written from a non-finite state."""
-    seed: int = 0
-    """Seed for model init, data order and sampling noise."""
+    seed: int = ranged(0, low=0, high=MAX_SEED)
+    """Seed for model init, data order and sampling noise (0 .. 2**23 - 1: it is added, shifted by 40 bits,
+    to the int64 sample ids that key the training noise)."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower; for debugging and parity tests)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -77,7 +141,7 @@ class Training:
     torchao and the GPU support it, ``bf16`` leaves the converters list as configured."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before FSDP)."""
-    num_workers: int = 0
+    num_workers: int = ranged(0, low=0)
     """Data-loader worker processes per rank (0 = load in the training process)."""
 
 
@@ -85,32 +149,33 @@ class Training:
 class Optimizer:
     name: str = "AdamW"
     """Optimizer component: ``AdamW`` or ``Muon`` (Muon on 2-D hidden weights, AdamW elsewhere)."""
-    lr: float = 3e-4
+    lr: float = ranged(3e-4, low=0, low_open=True)
     """Peak learning rate."""
-    beta1: float = 0.9
+    beta1: float = ranged(0.9, low=0, high=1, high_open=True)
     """Adam beta1."""
-    beta2: float = 0.95
+    beta2: float = ranged(0.95, low=0, high=1, high_open=True)
     """Adam beta2."""
-    eps: float = 1e-8
+    eps: float = ranged(1e-8, low=0, low_open=True)
     """Adam epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: float = ranged(0.1, low=0)
     """Decoupled weight decay, applied to matrices only (not to norms, biases, embeddings' rows of
     specials, LoRA-free scalars)."""
-    muon_lr: float = 0.02
+    muon_lr: float = ranged(0.02, low=0, low_open=True)
     """Muon learning rate for hidden matrices (only with ``name = "Muon"``)."""
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 100
-    """Linear warmup steps from ``lr * warmup_start_factor`` to ``lr``."""
-    warmup_start_factor: float = 0.0
+    warmup_steps: int = ranged(100, low=0)
+    """Linear warmup steps from ``lr * warmup_start_factor`` to ``lr`` (a run shorter than this warms up
+    over all but its last step)."""
+    warmup_start_factor: float = ranged(0.0, low=0, high=1)
     """LR multiplier at step 0 of warmup."""
     decay_type: str = "cosine"
     """Decay after warmup: ``cosine``, ``linear`` or ``wsd`` (warmup-stable-decay)."""
-    decay_ratio: float = 0.2
+    decay_ratio: float = ranged(0.2, low=0, high=1)
     """``wsd`` only: fraction of the steps spent in the final linear decay."""
-    min_lr_factor: float = 0.1
+    min_lr_factor: float = ranged(0.1, low=0, high=1)
     """LR at the end of decay as a fraction of the peak."""
 
 
@@ -128,7 +193,7 @@ class Parallelism:
     fsdp_reshard_after_forward_units: list[str] = field(default_factory=list)
     """Per-unit overrides of ``fsdp_reshard_after_forward``, entries ``FQN=true|false`` (``true`` =
     reshard after forward), e.g. ``core=true`` or ``coda.layers.0=false``."""
-    fsdp_keep_core_gathered_fraction: float = 0.1
+    fsdp_keep_core_gathered_fraction: float = ranged(0.1, low=0, high=1)
     """With ``fsdp_reshard_after_forward = "default"``, the recurrent core (one FSDP unit) stays
     gathered from its forward to its backward, saving one all-gather per micro-batch, when its
     unsharded parameters take at most this fraction of the device's memory (GPU, or host RAM on
@@ -177,11 +242,11 @@ class Float8:
 class MoE:
     backend: str = "torch"
     """MoE backend component: ``torch`` (reference) or ``triton`` (fused kernels)."""
-    aux_loss_coeff: float = 0.01
+    aux_loss_coeff: float = ranged(0.01, low=0)
     """Weight of the load-balancing loss E·Σ f_i P_i (sets the model's moe_aux_coeff)."""
     load_balance: Literal["aux_loss", "aux_free", "both"] = "aux_loss"
     """``aux_loss``: the loss only; ``aux_free``: the bias update only (loss weight 0); ``both``."""
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = ranged(1e-3, low=0)
     """Aux-loss-free balancing: expert_bias += rate * sign(mean_count - count_i) per step."""
 
 
@@ -191,13 +256,13 @@ class Checkpoint:
     """Save DCP checkpoints every ``interval`` steps and resume from the latest one."""
     folder: str = "checkpoint"
     """Checkpoint folder, relative to the dump folder (or absolute)."""
-    interval: int = 500
+    interval: int = ranged(500, low=1)
     """Steps between checkpoints."""
-    keep_latest_k: int = 0
+    keep_latest_k: int = ranged(0, low=0)
     """Keep only the newest k complete checkpoints (0 = keep all)."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async`` writes checkpoints in the background while training goes on."""
-    load_step: int = -1
+    load_step: int = ranged(-1, low=0, special={-1: "the latest"})
     """Resume from this step's checkpoint instead of the latest (-1 = latest)."""
     initial_load_path: str = ""
     """Start from this checkpoint folder (the seed's --resume) when the run has none of its own."""
@@ -213,7 +278,7 @@ class Checkpoint:
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: int = ranged(10, low=1)
     """Steps between console/TensorBoard lines."""
     enable_jsonl: bool = True
     """Append the scalars of every logged step to ``metrics.jsonl`` in the dump folder."""
@@ -229,11 +294,11 @@ class Metrics:
 class Validation:
     enable: bool = False
     """Evaluate on the dataset's validation split every ``freq`` steps."""
-    freq: int = 100
+    freq: int = ranged(100, low=1)
     """Steps between validations."""
-    steps: int = 10
+    steps: int = ranged(10, low=1, special={-1: "the whole split"})
     """Batches per validation (-1 = the whole split)."""
-    local_batch_size: int = 0
+    local_batch_size: int = ranged(0, low=1, special={0: "training.local_batch_size"})
     """Validation micro-batch size per rank (0 = training.local_batch_size)."""
 
 

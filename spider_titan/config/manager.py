@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 import tomli
 
 from spider_titan.components import registry
-from spider_titan.config.job_config import JobConfig
+from spider_titan.config.job_config import JobConfig, Range
 
 
 # Config keys whose value names registered components (a list names several), with their
@@ -216,7 +216,14 @@ def parse_args(argv: list[str] | None = None, *, env: dict[str, str] | None = No
         if not path.is_file():
             raise ConfigError([f"job.config_file: {config_file!r} does not exist (give the path of a TOML file)"])
         try:
-            toml_data = tomli.loads(path.read_text())
+            toml_data = tomli.loads(path.read_bytes().decode("utf-8"))
+        except OSError as e:
+            raise ConfigError(
+                [f"job.config_file: cannot read {config_file!r} ({e.strerror}); check its permissions"]
+            ) from None
+        except UnicodeDecodeError as e:
+            raise ConfigError([f"job.config_file: {config_file!r} is not UTF-8 text (byte {e.start}: "
+                               f"{e.object[e.start:e.start + 1]!r}); TOML files are UTF-8, save it as such"]) from None
         except tomli.TOMLDecodeError as e:
             raise ConfigError([f"job.config_file: {config_file!r} is not valid TOML: {e}"]) from None
 
@@ -279,6 +286,23 @@ def parse_args(argv: list[str] | None = None, *, env: dict[str, str] | None = No
 
 # ---------------------------------------------------------------- validation
 
+def field_range(f: dataclasses.Field) -> Range:
+    """The values a config field accepts (job_config.ranged); unbounded when it declares none."""
+    return f.metadata.get("range", Range())
+
+
+def range_problems(cfg: JobConfig) -> list[str]:
+    """Every number field outside its declared :class:`Range`, or a float that is not finite."""
+    problems = []
+    for name, cls in sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, value = hints[f.name], getattr(getattr(cfg, name), f.name)
+            if tp in (int, float) and not field_range(f).allows(value):
+                problems.append(f"{name}.{f.name} = {_show(value)} is not allowed; use {field_range(f).describe(tp)}")
+    return problems
+
+
 def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     """Cross-field and component-name checks; returns every problem found."""
     problems = []
@@ -304,35 +328,25 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
             if check is not None:
                 problems.extend(f"model.{p}" for p in check())
 
+    problems.extend(range_problems(cfg))
     t = cfg.training
-    for key, value, low in (
-        ("training.seq_len", t.seq_len, 1),
-        ("training.local_batch_size", t.local_batch_size, 1),
-        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
-        ("metrics.log_freq", cfg.metrics.log_freq, 1),
-        ("validation.freq", cfg.validation.freq, 1),
-        ("checkpoint.interval", cfg.checkpoint.interval, 1),
-    ):
-        if value < low:
-            problems.append(f"{key}: {value} must be >= {low}")
+    max_seq_len = getattr(model_args, "max_seq_len", None)
+    if isinstance(max_seq_len, int) and t.seq_len > max_seq_len:
+        source = ("set in [model]" if "max_seq_len" in cfg.model.overrides
+                  else f"of {cfg.model.name} flavor {cfg.model.flavor!r}")
+        problems.append(
+            f"training.seq_len = {t.seq_len} > model.max_seq_len = {max_seq_len} ({source}), the longest input the "
+            f"model accepts; lower training.seq_len or set model.max_seq_len = {t.seq_len}"
+        )
     if t.steps < 1 and t.target_tokens <= 0:
         problems.append(f"training.steps: {t.steps} must be >= 1 (or set training.target_tokens > 0)")
-    if t.skip_nonfinite_steps < 0:
-        problems.append(f"training.skip_nonfinite_steps: {t.skip_nonfinite_steps} must be >= 0 (0 stops at the first)")
-    if t.target_tokens < 0:
-        problems.append(f"training.target_tokens: {t.target_tokens} must be >= 0")
     if t.dataset in ("bytes", "text") and not t.dataset_path:
         problems.append(f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder")
-    if cfg.lr_scheduler.warmup_steps < 0:
-        problems.append(f"lr_scheduler.warmup_steps: {cfg.lr_scheduler.warmup_steps} must be >= 0")
-    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
-        problems.append(f"lr_scheduler.decay_ratio: {cfg.lr_scheduler.decay_ratio} must be in [0, 1]")
-    if cfg.checkpoint.keep_latest_k < 0:
-        problems.append(f"checkpoint.keep_latest_k: {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.checkpoint.initial_load_model_only and not cfg.checkpoint.initial_load_path:
         problems.append("checkpoint.initial_load_model_only: needs checkpoint.initial_load_path")
     ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
         problems.append(
             f"activation_checkpoint.selective_ac_option: {ac.selective_ac_option!r} must be 'op' or a positive integer"
         )
@@ -492,13 +506,15 @@ def help_text(argv: list[str] | None = None) -> str:
         hints = typing.get_type_hints(cls)
         defaults = dataclasses.asdict(cls())
         resolved = dataclasses.asdict(getattr(cfg, name)) if cfg is not None else {}
+        ranges = {f.name: field_range(f).text() for f in dataclasses.fields(cls)}
         for key in hints:
             if name == "model" and key == "overrides":
                 continue
             shown = f"default {_show(defaults[key])}"
             if key in resolved and resolved[key] != defaults[key]:
                 shown += f"; this config: {_show(resolved[key])}"
-            lines.append(f"  --{name}.{key} ({_key_label(name, key, hints[key])}; {shown})")
+            label = _key_label(name, key, hints[key]) + (f", {ranges[key]}" if ranges[key] else "")
+            lines.append(f"  --{name}.{key} ({label}; {shown})")
             if docs.get(key):
                 lines.append(f"      {docs[key]}")
         lines.append("")

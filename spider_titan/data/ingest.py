@@ -31,18 +31,21 @@ Optional packages: Parquet needs ``pyarrow`` and ``.zst`` needs ``zstandard`` (`
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import gzip
 import importlib
 import io
+import json
 import logging
 import os
 import signal
 import sys
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path, PurePosixPath
@@ -50,14 +53,14 @@ from typing import Any, BinaryIO, ClassVar, Literal
 
 import numpy as np
 
-from spider_titan.data.shards import TEXT_SUFFIXES, ShardWriter, _jsonl_text, corpus_metadata, write_metadata
+from spider_titan.data.shards import ShardWriter, corpus_metadata, os_error_reason, write_metadata
 from spider_titan.models.common import BOS_ID, EOS_ID
 
 logger = logging.getLogger("spider_titan")
 
 STDIN = "-"
-# Folder files picked up by default: the text types of the text dataset plus the structured corpora.
-DEFAULT_GLOBS = tuple(f"*{s}" for s in TEXT_SUFFIXES) + ("*.jsonl.gz", "*.jsonl.zst", "*.parquet")
+# Folder files picked up by default (by prepare_data and the ``text`` dataset): text and structured corpora.
+DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.parquet")
 # Bytes per range of a big file / chunk of a stream; also the size above which a file is "big".
 _CHUNK_BYTES = 16 * 2**20
 # Small files and jsonl lines are grouped into tasks of about this much input, so that the per-task
@@ -183,6 +186,42 @@ def _check_parquet_column(path: Path, key: str) -> None:
         raise ValueError(f"{path}: column {key!r} has type {t}, not a string; name the text column with --text_key")
 
 
+@contextmanager
+def _reading(name: str, compression: str = "") -> Iterator[None]:
+    """Turn a failure to read the input ``name`` (missing, unreadable, truncated or corrupt
+    compressed data) into one ValueError that names it and says what to do."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
+    if compression == "zst":
+        errors += (_require("zstandard", ".zst files").ZstdError,)
+    try:
+        yield
+    except errors as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            reason = os_error_reason(e)
+            raise ValueError(f"{name}: cannot read it ({reason}); check the path and its permissions") from e
+        what = ("ends before the end of its compressed stream, so it is truncated" if isinstance(e, EOFError)
+                else f"is not valid .{compression} data ({e})")
+        tool = {"gz": "gzip", "zst": "zstd"}.get(compression, "gzip")
+        raise ValueError(
+            f"{name}: {what}; test it with `{tool} -t {name}` and download or compress it again "
+            f"(a file that is not compressed must not be named .{compression or 'gz'})"
+        ) from e
+
+
+def _jsonl_text(line: str | bytes, path: str | Path, lineno: int, key: str = "text") -> str:
+    """The string field ``key`` of one JSON line, with an error naming the file and line otherwise."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path}:{lineno}: not valid JSON ({e}); each line must be an object with a {key!r} field"
+        ) from e
+    text = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise ValueError(f"{path}:{lineno}: no string {key!r} field; each line must look like {{\"{key}\": \"...\"}}")
+    return text
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tasks: each ``run()`` returns ``(tokens, starts)``: uint16 tokens and the offsets in them where a new
 # document begins. Tokens before ``starts[0]`` (or all of them, when ``starts`` is empty) continue the
@@ -223,7 +262,10 @@ class _FilesTask:
     in_bytes: int
 
     def run(self) -> Encoded:
-        docs = [p.read_bytes() for p in self.paths]
+        docs = []
+        for p in self.paths:
+            with _reading(str(p)):
+                docs.append(p.read_bytes())
         lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         return frame(np.frombuffer(b"".join(docs), dtype=np.uint8), lengths)
 
@@ -238,7 +280,7 @@ class _RangeTask:
     last: bool
 
     def run(self) -> Encoded:
-        with open(self.path, "rb") as f:
+        with _reading(str(self.path)), open(self.path, "rb") as f:
             f.seek(self.start)
             return _piece(f.read(self.in_bytes), self.first, self.last)
 
@@ -292,7 +334,11 @@ class _ParquetTask:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        column = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=[self.key]).column(0)
+        try:
+            column = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=[self.key]).column(0)
+        except (OSError, pa.ArrowException) as e:
+            raise ValueError(f"{self.path}: row group {self.row_group} cannot be read ({e}); the Parquet file is "
+                             "damaged or truncated: download or write it again") from e
         if column.null_count:
             raise ValueError(
                 f"{self.path}: row group {self.row_group} has {column.null_count} null {self.key!r} values; "
@@ -345,7 +391,7 @@ def iter_tasks(sources: Sequence[Source], *, text_key: str = "text") -> Iterator
         elif src.kind == "parquet":
             yield from _parquet_tasks(src, text_key)
         else:
-            with ExitStack() as stack:
+            with _reading(src.name, src.compression), ExitStack() as stack:
                 stream, raw = _open_stream(src, stack)
                 if src.kind == "jsonl":
                     yield from _jsonl_tasks(src.name, stream, raw, text_key)
@@ -412,9 +458,13 @@ def _chunk_tasks(stream: BinaryIO, raw: BinaryIO) -> Iterator[_BytesTask]:
 
 
 def _parquet_tasks(src: Source, key: str) -> Iterator[_ParquetTask]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(src.path).metadata
+    try:
+        meta = pq.ParquetFile(src.path).metadata
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{src.path}: not a readable Parquet file ({e}); download or write it again") from e
     rows = max(meta.num_rows, 1)
     done = 0
     for i in range(meta.num_row_groups):
@@ -469,6 +519,21 @@ def encode_in_order(tasks: Iterator[Any], workers: int) -> Iterator[tuple[int, E
         while pending:
             in_bytes, result = pending.popleft()
             yield in_bytes, result.get()
+
+
+def read_documents(inputs: Sequence[str | Path], *, text_key: str = "text") -> list[np.ndarray]:
+    """Every document of ``inputs`` (module docstring: files, folders, jsonl, .gz / .zst, Parquet) as
+    its tokens ``[BOS] + bytes + [EOS]``, in corpus order, in memory (the ``text`` dataset)."""
+    pieces, starts, size = [], [], 0
+    tasks = iter_tasks(find_sources(inputs, text_key=text_key), text_key=text_key)
+    for _, (tokens, doc_starts) in encode_in_order(tasks, workers=1):
+        pieces.append(tokens)
+        starts.append(doc_starts + size)
+        size += tokens.size
+    if not pieces:
+        return []
+    bounds = np.concatenate(starts)
+    return np.split(np.concatenate(pieces), bounds[1:]) if bounds.size else []
 
 
 class Progress:
@@ -541,7 +606,10 @@ def prepare_shards(
 
     ``fmt`` is ``header`` (256-word llm.c header + uint16 tokens) or ``raw`` (the seed's headerless
     uint16). ``val_fraction = 0`` writes no val split. A progress line is logged at most every
-    ``progress_s`` seconds. On an error the shards written so far are deleted.
+    ``progress_s`` seconds. Each shard is written under a temporary name and renamed when whole,
+    and metadata.json last: on any error (a bad input, a full or read-only disk, Ctrl-C) everything
+    written so far, and the folders made for it, are removed. A failed write raises ValueError naming
+    ``out`` and the cause (``disk full``, ``read-only file system``, ``permission denied``).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); e.g. 0.01 keeps ~1% of documents for val")
@@ -552,6 +620,8 @@ def prepare_shards(
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder; name a new or empty folder for the shards")
     sources = find_sources(inputs, globs=globs, text_key=text_key, stdin_jsonl=stdin_jsonl)
     for split in ("train", "val"):
         if (out / split).is_dir() and any((out / split).rglob("*.bin")):
@@ -567,33 +637,57 @@ def prepare_shards(
         split: ShardWriter(out / split, split, shard_tokens=shard_tokens, header=fmt == "header")
         for split in ("train", "val")
     }
+    made = [d for d in (out, out / "train", out / "val") if not d.exists()]  # removed again on failure
     try:
         documents = _write_split(
             encode_in_order(iter_tasks(sources, text_key=text_key), workers), writers, val_fraction, seed,
             Progress("prepare_data", total_bytes=total, every_s=progress_s),
         )
+        if not documents["train"]:
+            raise ValueError(f"the inputs {[str(i) for i in inputs]} hold no documents (empty .jsonl files?)")
+        metadata = corpus_metadata(
+            writers, documents, fmt,
+            val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens,
+            inputs=[str(i) for i in inputs], files=len(sources), text_key=text_key,
+        )
+        write_metadata(out, metadata)
+    except OSError as e:  # the reads raise ValueError (_reading): this is a write under --out
+        _remove_written(writers, made)
+        raise ValueError(_write_error(out, e)) from e
     except BaseException:
-        for writer in writers.values():
-            writer.close()
-            for path in writer.paths:
-                path.unlink(missing_ok=True)
+        _remove_written(writers, made)
         raise
-    if not documents["train"]:
-        raise ValueError(f"the inputs {[str(i) for i in inputs]} hold no documents (empty .jsonl files?)")
     if val_fraction > 0 and not documents["val"]:
         logger.warning("prepare_data: only 1 document, so the val split is empty; pass more files or a .jsonl")
-
-    metadata = corpus_metadata(
-        writers, documents, fmt,
-        val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens,
-        inputs=[str(i) for i in inputs], files=len(sources), text_key=text_key,
-    )
-    write_metadata(out, metadata)
     logger.info(
         "prepare_data: wrote %d documents, %d tokens (train %d, val %d) to %s",
         metadata["documents"], metadata["tokens"], writers["train"].num_tokens, writers["val"].num_tokens, out,
     )
     return metadata
+
+
+def _remove_written(writers: dict[str, ShardWriter], made: list[Path]) -> None:
+    """After a failure: every shard written (finished or partial), then the folders made for them."""
+    for writer in writers.values():
+        writer.abort()
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not empty (something else wrote there) or never made
+
+
+def _write_error(out: Path, e: OSError) -> str:
+    """One line for a failed write under ``out``: the cause by name and what to do."""
+    reason = os_error_reason(e)
+    where = f": {e.filename}" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free some space or choose another --out"
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "choose an --out folder you can write to"
+    else:
+        fix = "check the --out folder"
+    return f"--out {out}: cannot write the shards ({reason}{where}); {fix}. Nothing was kept"
 
 
 def _write_split(

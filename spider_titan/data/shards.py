@@ -17,8 +17,10 @@ layout from files, folders, jsonl, Parquet and stdin.
 
 from __future__ import annotations
 
+import errno
 import json
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +33,23 @@ HEADER_VERSION = 1
 HEADER_WORDS = 256
 HEADER_BYTES = HEADER_WORDS * 4
 METADATA_NAME = "metadata.json"
-# Suffixes picked up when an input is a folder; a file named explicitly is read whatever its suffix.
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
-# Text files are streamed in chunks of this size, so a multi-GB file never sits in memory whole.
-_READ_CHUNK_BYTES = 16 * 1024 * 1024
 _LAYOUT_HINT = (
     "expected little-endian uint16 *.bin shards (raw or with the 20240520 header), "
     "optionally in train/ and val/ subfolders; make them with scripts/prepare_data.py"
 )
+
+
+class DataError(ValueError):
+    """A problem in the data on disk, found while reading it; the message names the file and the fix."""
+
+
+def bad_token_error(path: str | Path, byte_offset: int, value: int) -> DataError:
+    """The one-line error for a token id outside the vocabulary at ``byte_offset`` of the file ``path``."""
+    return DataError(
+        f"{path}: token id {value} at byte offset {byte_offset} is outside the byte vocabulary (0..{VOCAB_SIZE - 1}), "
+        "so the file is not a token shard of this tokenizer (random data, or text renamed .bin?); "
+        "re-make the shards from the text with scripts/prepare_data.py"
+    )
 
 
 def write_shard(path: str | Path, tokens: Sequence[int] | np.ndarray, *, header: bool = False) -> Path:
@@ -62,13 +73,22 @@ def write_shard(path: str | Path, tokens: Sequence[int] | np.ndarray, *, header:
 def read_shard(path: str | Path) -> np.ndarray:
     """The tokens of one shard as a read-only uint16 memmap; the format is detected by the magic.
 
-    Raises ValueError naming the file for an odd byte size, a header whose token count does not
-    match the file, or an unknown header version.
+    Raises DataError naming the file for an odd byte size, a header whose token count does not
+    match the file, an unknown header version, or a file that cannot be read (permissions).
     """
     path = Path(path)
+    try:
+        return _read_shard(path)
+    except (FileNotFoundError, DataError):
+        raise
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({os_error_reason(e)}); check its permissions") from e
+
+
+def _read_shard(path: Path) -> np.ndarray:
     size = path.stat().st_size
     if size % 2:
-        raise ValueError(
+        raise DataError(
             f"{path}: {size} bytes is an odd size; a shard holds 2-byte uint16 tokens, "
             "so the file is truncated or not a token shard (rewrite it with scripts/prepare_data.py)"
         )
@@ -78,13 +98,13 @@ def read_shard(path: str | Path) -> np.ndarray:
         if int(words[0]) == HEADER_MAGIC:
             version, count = int(words[1]), int(words[2])
             if version != HEADER_VERSION:
-                raise ValueError(
+                raise DataError(
                     f"{path}: header version {version} is not supported (only {HEADER_VERSION}); "
                     "rewrite the shard with scripts/prepare_data.py"
                 )
             offset, available = HEADER_BYTES, (size - HEADER_BYTES) // 2
             if count != available:
-                raise ValueError(
+                raise DataError(
                     f"{path}: the header says {count} tokens but the file holds {available}; "
                     "the shard is truncated or corrupted (rewrite it with scripts/prepare_data.py)"
                 )
@@ -115,7 +135,12 @@ def write_metadata(folder: str | Path, metadata: dict[str, Any]) -> Path:
     """Write ``metadata`` as ``folder/metadata.json``; returns its path."""
     path = Path(folder) / METADATA_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+    partial = path.with_name(path.name + ".partial")  # renamed when whole: never a half-written file
+    try:
+        partial.write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 
@@ -133,72 +158,16 @@ def read_metadata(folder: str | Path) -> dict[str, Any] | None:
     return metadata
 
 
-def find_text_files(inputs: Sequence[str | Path]) -> list[Path]:
-    """The text files named by ``inputs``: files as given, folders searched recursively for TEXT_SUFFIXES.
-
-    Folder contents come in sorted path order, so the document order (and the split) is deterministic.
-    Raises FileNotFoundError for a path that does not exist or when no file is found at all.
-    """
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_file():
-            files.append(p)
-        elif p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES))
-        else:
-            raise FileNotFoundError(f"input {p} does not exist; pass text files, .jsonl files or folders of them")
-    if not files:
-        raise FileNotFoundError(
-            f"no input files found in {[str(i) for i in inputs]}; folders are searched for {', '.join(TEXT_SUFFIXES)}"
-        )
-    return files
-
-
-def iter_documents(files: Sequence[Path]) -> Iterator[Iterator[bytes]]:
-    """One item per document, each an iterator over the document's UTF-8 byte chunks.
-
-    A ``.jsonl`` file holds one document per non-empty line (its ``"text"`` field); any other file
-    is one document, its bytes as stored. Exhaust each document before asking for the next.
-    """
-    for path in files:
-        if path.suffix.lower() == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        yield iter((_jsonl_text(line, path, lineno).encode("utf-8"),))
-        else:
-            yield _read_chunks(path)
-
-
-def _jsonl_text(line: str | bytes, path: str | Path, lineno: int, key: str = "text") -> str:
-    """The string field ``key`` of one JSON line, with an error naming the file and line otherwise."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"{path}:{lineno}: not valid JSON ({e}); each line must be an object with a {key!r} field"
-        ) from e
-    text = record.get(key) if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        raise ValueError(f"{path}:{lineno}: no string {key!r} field; each line must look like {{\"{key}\": \"...\"}}")
-    return text
-
-
-def _read_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK_BYTES):
-            yield chunk
-
-
 class ShardWriter:
     """Streams token arrays to disk as numbered shards of ``shard_tokens`` tokens.
 
     Shards are named ``<folder>/<prefix>_000000.bin``, ... Tokens are written as they are added
     (a header shard gets its token count filled in when it is finished), so memory stays at one added
     array whatever ``shard_tokens`` is: buffering whole 100M-token shards peaked at 1.0 GB RSS on the
-    154 MB stdlib, streaming at 0.27 GB (0.22 GB of it the torch import). Call :meth:`close` to finish
-    the last, partial shard.
+    154 MB stdlib, streaming at 0.27 GB (0.22 GB of it the torch import). A shard is written under a
+    temporary name (``<name>.partial``, which no reader picks up) and renamed when whole, so a failure
+    (disk full) never leaves a short ``.bin``; :meth:`abort` removes what was written. Call
+    :meth:`close` to finish the last, partial shard. ``paths`` lists the finished shards.
     """
 
     def __init__(self, folder: str | Path, prefix: str, *, shard_tokens: int, header: bool):
@@ -209,6 +178,7 @@ class ShardWriter:
         self.num_tokens = 0
         self.paths: list[Path] = []
         self._file = None  # the shard being written, or None between shards
+        self._partial: Path | None = None  # its temporary path
         self._in_shard = 0
 
     def add(self, tokens: np.ndarray) -> None:
@@ -230,11 +200,25 @@ class ShardWriter:
         if self._file is not None:
             self._finish()
 
+    def abort(self) -> None:
+        """Remove every shard written, finished or not (after a failure); never raises for the file
+        being written, whose close may fail again on a full disk."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        for path in [*self.paths, self._partial]:
+            if path is not None:
+                path.unlink(missing_ok=True)
+        self.paths, self._partial = [], None
+
     def _open(self) -> None:
         path = self.folder / f"{self.prefix}_{len(self.paths):06d}.bin"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "wb", buffering=2**20)
-        self.paths.append(path)
+        self._partial = path.with_name(path.name + ".partial")
+        self._file = open(self._partial, "wb", buffering=2**20)
         self._in_shard = 0
         if self.header:
             self._file.write(_header_bytes(0))  # the count is filled in by _finish
@@ -245,6 +229,26 @@ class ShardWriter:
             self._file.write(_header_bytes(self._in_shard))
         self._file.close()
         self._file = None
+        final = self._partial.with_name(self._partial.name.removesuffix(".partial"))
+        os.replace(self._partial, final)
+        self.paths.append(final)
+        self._partial = None
+
+
+# errno -> what a person calls it, for messages about a failed write.
+_OS_REASONS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a file where a folder should be",
+}
+
+
+def os_error_reason(e: OSError) -> str:
+    """``disk full``, ``read-only file system``, ``permission denied``, ... or the system's own words."""
+    return _OS_REASONS.get(e.errno, e.strerror or str(e))
 
 
 def _header_bytes(num_tokens: int) -> bytes:

@@ -114,6 +114,34 @@ def _wrong_types() -> tuple[list[str], list[str]]:
 WRONG_ARGS, WRONG_KEYS = _wrong_types()
 BYTES = ["--training.dataset", "bytes", "--training.dataset_path", "{data}"]
 
+def _random_ids(data: Path) -> None:
+    bytes_data(data, np.random.default_rng(0).integers(0, 65536, size=4096).astype(np.uint16))
+
+
+def _text_as_bin(data: Path) -> None:
+    bytes_data(data, text_tokens())
+    (data / "train" / "data_000000.bin").write_bytes(b"a text file renamed .bin!\n")  # an even size
+
+
+def _ids_past_the_probe(data: Path) -> None:
+    """A 2M-token shard whose start-up probe blocks (16 x 64K tokens, evenly spaced) hold good text
+    and everything between them id 300: the first batches read it."""
+    tokens = np.full(1 << 21, 300, dtype=np.uint16)
+    good = np.resize(text_tokens(), 1 << 16)
+    for start in range(0, tokens.size, tokens.size // 16):
+        tokens[start : start + good.size] = good
+    bytes_data(data, tokens)
+
+
+def _truncated_jsonl_gz(data: Path) -> None:
+    import gzip
+    import json
+
+    data.mkdir(parents=True)
+    whole = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 40}).encode() + b"\n" for i in range(300)))
+    (data / "docs.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+
+
 ROWS = [
     Row("truncated-shard", SPIDER + BYTES, 2, ["{data}/train/data_000000.bin", "odd size"], _truncated),
     Row("all-pad-shards", SPIDER + BYTES, 2, ["{data}/train/data_000000.bin", "every token is PAD"], _all_pad),
@@ -132,6 +160,23 @@ ROWS = [
     Row("impossible-degrees", SPIDER + ["--parallelism.data_parallel_shard_degree", "3"], 2,
         ["data_parallel_shard_degree", "WORLD_SIZE"]),
     Row("missing-config", ["--job.config_file", "train_configs/no_such_job.toml"], 2, ["no_such_job.toml"]),
+    Row("negative-min-lr-factor", SPIDER + MOCK + ["--lr_scheduler.min_lr_factor", "-0.5"], 2,
+        ["lr_scheduler.min_lr_factor = -0.5", "in [0, 1]"]),
+    Row("negative-validation-steps", SPIDER + MOCK + ["--validation.steps", "-7"], 2,
+        ["validation.steps = -7", "-1 (the whole split) or an integer >= 1"]),
+    Row("negative-seed", SPIDER + MOCK + ["--training.seed", "-1"], 2, ["training.seed = -1", "in [0, 8388607]"]),
+    Row("seq-len-above-max-seq-len", SPIDER + MOCK + ["--training.seq_len", "4096"], 2,
+        ["training.seq_len = 4096", "model.max_seq_len = 2048", "set model.max_seq_len = 4096"]),
+    Row("ids-outside-the-vocabulary", SPIDER + BYTES, 2,
+        ["{data}/train/data_000000.bin: token id", "outside the byte vocabulary", "scripts/prepare_data.py"],
+        _random_ids),
+    Row("text-renamed-bin", SPIDER + BYTES, 2,
+        ["{data}/train/data_000000.bin: token id 8289 at byte offset 0", "scripts/prepare_data.py"], _text_as_bin),
+    Row("ids-past-the-probe", SPIDER + BYTES + ["--training.steps", "20"], 1,
+        ["{data}/train/data_000000.bin: token id 300 at byte offset", "scripts/prepare_data.py"], _ids_past_the_probe),
+    Row("text-dataset-truncated-gzip", SPIDER + ["--training.dataset", "text", "--training.dataset_path",
+                                                 "{data}/docs.jsonl.gz"], 2,
+        ["{data}/docs.jsonl.gz: ", "truncated", "gzip -t"], _truncated_jsonl_gz),
 ]
 
 
@@ -717,3 +762,77 @@ def test_export_to_a_full_disk(tmp_path, in_process, capsys, monkeypatch):
     assert code == 1 and len(lines) == 1, lines
     assert f"{out}: no space left on device (ENOSPC)" in lines[0] and "--out" in lines[0], lines
     assert not out.exists() and snapshot(dump) == before
+
+
+# ---------------------------------------------------------------- prepare_data
+
+
+def _prepare_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data_script", REPO / "scripts" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _docs_gz(path: Path, cut: bool = False) -> None:
+    import gzip
+    import json
+
+    whole = gzip.compress(b"".join(json.dumps({"text": f"document {i} " * 30}).encode() + b"\n" for i in range(2000)))
+    path.write_bytes(whole[: len(whole) * 3 // 4] if cut else whole)
+
+
+class _FullDisk:
+    """A shard file whose writes fail with ``err`` once ``left[0]`` bytes (shared by all the files) are
+    written: the disk fills up (or turns read-only) after a few whole shards."""
+
+    def __init__(self, f, err: int, left: list[int]):
+        self.f, self.err, self.left = f, err, left
+
+    def write(self, data) -> int:
+        self.left[0] -= len(memoryview(data).cast("B"))
+        if self.left[0] < 0:
+            raise OSError(self.err, os.strerror(self.err))
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+PREPARE_ROWS = [  # (id, how the inputs are made, arguments, what the one line holds, errno injected at the writer)
+    ("truncated-jsonl-gz", lambda d: _docs_gz(d / "in.jsonl.gz", cut=True), ["--input", "{in}/in.jsonl.gz"],
+     ["{in}/in.jsonl.gz: ", "truncated", "gzip -t"], None),
+    ("not-gzip", lambda d: (d / "in.jsonl.gz").write_text('{"text": "plain"}\n'), ["--input", "{in}/in.jsonl.gz"],
+     ["{in}/in.jsonl.gz: is not valid .gz data", "gzip -t"], None),
+    ("out-is-a-file", lambda d: (_docs_gz(d / "in.jsonl.gz"), (d / "out").write_text("mine")),
+     ["--input", "{in}/in.jsonl.gz"], ["--out {in}/out is a file"], None),
+    ("out-disk-full", lambda d: _docs_gz(d / "in.jsonl.gz"), ["--input", "{in}/in.jsonl.gz"],
+     ["--out {in}/out: cannot write the shards (disk full", "free some space"], errno.ENOSPC),
+    ("out-read-only", lambda d: _docs_gz(d / "in.jsonl.gz"), ["--input", "{in}/in.jsonl.gz"],
+     ["--out {in}/out: cannot write the shards (read-only file system", "choose an --out folder"], errno.EROFS),
+]
+
+
+@pytest.mark.parametrize("row", PREPARE_ROWS, ids=[r[0] for r in PREPARE_ROWS])
+def test_prepare_data_hostile_input(row, tmp_path, capsys, monkeypatch):
+    """Each ends in exit 1 and one line naming the input (or --out) and the fix; no shard, partial
+    shard or folder is left behind and the inputs are untouched."""
+    from spider_titan.data import shards
+
+    _, make, args, needles, err = row
+    make(tmp_path)
+    before = snapshot(tmp_path)
+    if err is not None:
+        left = [30_000]
+        monkeypatch.setattr(shards, "open", lambda *a, **k: _FullDisk(open(*a, **k), err, left), raising=False)
+    argv = [a.replace("{in}", str(tmp_path)) for a in args] + ["--out", str(tmp_path / "out"), "--shard_tokens", "4096"]
+    with pytest.raises(SystemExit) as info:
+        _prepare_script().main(argv)
+    message = str(info.value.code)  # what Python prints on stderr for sys.exit(message)
+    assert info.value.code not in (0, None) and capsys.readouterr().err == ""
+    assert "\n" not in message and "Traceback" not in message, message
+    for needle in needles:
+        assert needle.replace("{in}", str(tmp_path)) in message, (needle, message)
+    assert snapshot(tmp_path) == before

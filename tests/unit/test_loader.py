@@ -19,7 +19,7 @@ from spider_titan.data.loader import (
     build_mock_dataset,
     build_text_dataset,
 )
-from spider_titan.data.shards import read_metadata, read_shard, write_shard
+from spider_titan.data.shards import DataError, read_metadata, read_shard, write_shard
 from spider_titan.data.tokenizer import decode, encode
 from spider_titan.models.common import IGNORE_INDEX, PAD_ID
 
@@ -281,3 +281,78 @@ def test_pad_probe_finds_one_real_token_anywhere():
         tokens[where] = 7
         assert holds_labels(tokens)
         tokens[where] = PAD_ID
+
+
+# ---------------------------------------------------------------- token ids outside the vocabulary
+
+
+def test_start_up_probe_names_the_file_offset_and_value_of_an_id_outside_the_vocabulary(tmp_path):
+    """A text file renamed .bin (two ASCII bytes read as one uint16 id) and a header shard with one
+    bad id inside a probed block: both are named with the byte offset of the bad id."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "notes.bin").write_bytes(b"plain text, not tokens!\n")  # an even size
+    write_shard(tmp_path / "val" / "v.bin", np.array(encode("hello"), dtype=np.uint16))
+    with pytest.raises(DataError) as info:
+        build_bytes_dataset(str(tmp_path), split="train", seed=0)
+    assert str(info.value).startswith(f"{tmp_path / 'train' / 'notes.bin'}: token id {ord('p') | ord('l') << 8} "
+                                      "at byte offset 0 ")
+    assert "scripts/prepare_data.py" in str(info.value) and "\n" not in str(info.value)
+
+    tokens = np.array(encode("x" * 3000), dtype=np.uint16)
+    tokens[1234] = 300
+    write_shard(tmp_path / "train" / "notes.bin", tokens, header=True)
+    with pytest.raises(DataError, match=f"notes.bin: token id 300 at byte offset {1024 + 2 * 1234} "):
+        build_bytes_dataset(str(tmp_path), split="train", seed=0)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_id_past_the_probes_stops_the_batch_that_reads_it(tmp_path, monkeypatch, workers):
+    """The start-up probe samples a few blocks; a bad id between them is caught by the batch check,
+    named (file, byte offset, value) in one line, from a worker process too."""
+    from spider_titan.data import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_PROBE_BLOCK", 8)  # probes read tokens [0, 8), [625, 633), ...
+    tokens = np.array(encode("some text to learn from. " * 400), dtype=np.uint16)
+    bad = 5100  # between the probed blocks [5000, 5008) and [5625, 5633)
+    tokens[bad] = 4096
+    write_shard(tmp_path / "train" / "deep.bin", tokens, header=True)
+    write_shard(tmp_path / "val" / "v.bin", np.array(encode("hello"), dtype=np.uint16))
+    ds = build_bytes_dataset(str(tmp_path), split="train", seed=0)  # the probe does not see it
+    loader = _loader(ds, batch=4, workers=workers)
+    batches = iter(loader)
+    with pytest.raises(DataError) as info:
+        for _ in range(loader.num_windows):  # one epoch reads every window
+            next(batches)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'train' / 'deep.bin'}: token id 4096 at byte offset {1024 + 2 * bad} ")
+    assert "Traceback" not in message and "\n" not in message
+
+
+def test_text_dataset_reads_compressed_jsonl_as_prepare_data_does(tmp_path):
+    """A .jsonl.gz yields its documents' bytes (not the compressed bytes), in the same tokens as
+    prepare_data's reader, and a .txt.gz is one decompressed document."""
+    import gzip
+
+    docs = [f"gzipped document {i}: ✓ text" for i in range(25)]
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    parts = {s: build_text_dataset(str(tmp_path / "docs.jsonl.gz"), split=s, seed=0) for s in ("train", "val")}
+    assert _documents(parts["val"]) == [d for i, d in enumerate(docs) if i % 20 == 1]
+    assert _documents(parts["train"]) == [d for i, d in enumerate(docs) if i % 20 != 1]
+    np.testing.assert_array_equal(parts["train"].arrays[0], np.array(encode(docs[0]), dtype=np.uint16))
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "note.txt.gz").write_bytes(gzip.compress(b"a gzipped note. " * 100))
+    train = build_text_dataset(str(tmp_path / "one" / "note.txt.gz"), split="train", seed=0)
+    assert decode(train.window(0, train.num_tokens)).startswith("a gzipped note. a gzipped note.")
+
+
+def test_text_dataset_with_a_truncated_gzip_is_a_one_line_error(tmp_path):
+    import gzip
+
+    data = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 50}).encode() + b"\n" for i in range(200)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError) as info:
+        build_text_dataset(str(tmp_path / "cut.jsonl.gz"), split="train", seed=0)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'cut.jsonl.gz'}: ") and "truncated" in message and "\n" not in message

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from spider_titan.data.loader import build_bytes_dataset
 from spider_titan.data import ingest
 from spider_titan.data.ingest import prepare_shards
-from spider_titan.data.shards import HEADER_BYTES, find_shards, read_metadata, read_shard
+from spider_titan.data.shards import HEADER_BYTES, ShardWriter, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import decode
 from spider_titan.models.common import BOS_ID, EOS_ID, VOCAB_SIZE
 from tests.utils import check_ok, run_train
@@ -310,3 +312,121 @@ def test_training_runs_on_prepared_shards(tmp_path):
         "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "run"),
     ], timeout=300)
     check_ok(proc)
+
+
+# --------------------------------------------------------------------------------------------------
+# Broken inputs and unwritable outputs: one line naming the input and the fix, nothing left behind.
+
+
+def _jsonl_gz(path: Path, n: int = 3000) -> Path:
+    import gzip
+
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": f"document {i}: " + "words " * 40}) + "\n" for i in range(n))
+    return path
+
+
+def _run_script(args: list[str]) -> str:
+    """The one-line error of a failing main(); asserts the exit is non-zero."""
+    with pytest.raises(SystemExit) as info:
+        _script().main(args)
+    message = str(info.value.code)
+    assert info.value.code not in (0, None) and message.startswith("prepare_data: error: "), message
+    assert "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("case", ["truncated", "not-gzip"])
+def test_a_broken_gzip_input_is_named_and_nothing_is_kept(tmp_path, small_tasks, case):
+    good = _jsonl_gz(tmp_path / "good.jsonl.gz").read_bytes()
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(good[: len(good) * 3 // 4] if case == "truncated" else b'{"text": "plain jsonl"}\n')
+    out = tmp_path / "out"
+    message = _run_script(["--input", str(bad), "--out", str(out), "--shard_tokens", "2000"])
+    assert f"{bad}: " in message and f"gzip -t {bad}" in message
+    assert ("truncated" if case == "truncated" else "not valid .gz data") in message
+    assert not out.exists()  # the shards written before the bad block were removed, and the folders
+
+
+def test_out_naming_a_file_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / "out").write_text("my notes")
+    message = _run_script(["--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out")])
+    assert f"--out {tmp_path / 'out'} is a file" in message
+    assert (tmp_path / "out").read_text() == "my notes"
+
+
+class _FailingFile:
+    """A shard file whose writes fail with ``err`` once ``budget`` bytes were written (a disk filling up)."""
+
+    def __init__(self, f, err: int, budget: list[int]):
+        self.f, self.err, self.budget = f, err, budget
+
+    def write(self, data) -> int:
+        self.budget[0] -= len(memoryview(data).cast("B"))
+        if self.budget[0] < 0:
+            raise OSError(self.err, os.strerror(self.err))
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("err, words", [(errno.ENOSPC, "disk full"), (errno.EROFS, "read-only file system")])
+def test_a_write_failure_is_named_and_no_partial_shard_is_left(tmp_path, monkeypatch, capsys, err, words):
+    """The disk fills up (or turns read-only) after a few whole shards: one line names the cause,
+    and neither the finished shards nor the partial one (nor the folders made) are left."""
+    from spider_titan.data import shards
+
+    budget = [40_000]  # bytes: a few 4096-token shards, then the next write fails
+    monkeypatch.setattr(shards, "open", lambda *a, **k: _FailingFile(open(*a, **k), err, budget), raising=False)
+    src = _jsonl_gz(tmp_path / "in.jsonl.gz")
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "notes.txt").write_text("mine")
+    for out in (tmp_path / "new", tmp_path / "keep"):
+        budget[0] = 40_000
+        message = _run_script(["--input", str(src), "--out", str(out), "--shard_tokens", "4096"])
+        assert f"--out {out}: cannot write the shards ({words}" in message, message
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in (tmp_path / "keep").rglob("*")) == ["notes.txt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_a_read_only_out_folder_as_an_unprivileged_user(tmp_path):
+    """Root ignores file modes, so the script runs with the effective uid of 'nobody' (65534) on a
+    folder that user may not write: the real EACCES of mkdir, reported in one line."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="prepare-ro-"))  # outside pytest's private (0700) tmp folder
+    try:
+        base.chmod(0o755)
+        (base / "a.txt").write_text("some text\n" * 100)
+        ro = base / "ro"
+        ro.mkdir(mode=0o555)
+        os.seteuid(65534)
+        try:
+            message = _run_script(["--input", str(base / "a.txt"), "--out", str(ro / "out")])
+        finally:
+            os.seteuid(0)
+        assert f"--out {ro / 'out'}: cannot write the shards (permission denied" in message, message
+        assert "choose an --out folder you can write to" in message
+        assert list(ro.iterdir()) == []
+    finally:
+        shutil.rmtree(base)
+
+
+def test_abort_removes_finished_and_partial_shards(tmp_path):
+    writer = ShardWriter(tmp_path, "train", shard_tokens=10, header=True)
+    writer.add(np.arange(25, dtype=np.uint16))
+    assert [p.name for p in writer.paths] == ["train_000000.bin", "train_000001.bin"]
+    assert (tmp_path / "train_000002.bin.partial").exists() and not (tmp_path / "train_000002.bin").exists()
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_shows_the_real_workers_default(capsys):
+    with pytest.raises(SystemExit):
+        _script().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {ingest.default_workers()}:" in text and "min(4, CPUs)" not in text

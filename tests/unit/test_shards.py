@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from spider_titan.data.shards import (
     HEADER_BYTES,
     HEADER_MAGIC,
+    DataError,
     ShardWriter,
     find_shards,
     read_metadata,
@@ -120,3 +124,24 @@ def test_shard_writer_splits_the_stream(tmp_path):
     assert [p.name for p in writer.paths] == [f"train_{i:06d}.bin" for i in range(5)]
     np.testing.assert_array_equal(np.concatenate([read_shard(p) for p in find_shards(tmp_path)]), expected)
     assert writer.num_tokens == expected.size
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_an_unreadable_shard_is_named(tmp_path):
+    """Root reads any file, so the read runs with the effective uid of 'nobody' (65534)."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="shard-unreadable-"))  # outside pytest's private (0700) tmp folder
+    try:
+        base.chmod(0o755)
+        path = write_shard(base / "s.bin", _tokens(100))
+        path.chmod(0o600)
+        os.seteuid(65534)
+        try:
+            with pytest.raises(DataError, match=f"{path}: cannot read it \\(permission denied\\)"):
+                read_shard(path)
+        finally:
+            os.seteuid(0)
+    finally:
+        shutil.rmtree(base)
