@@ -81,13 +81,16 @@ def describe_os_error(e: OSError, path: Path | str | None = None, *, setting: st
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """torch's ``OutOfMemoryError`` (CUDA), the CPU allocator's "can't allocate memory", MemoryError."""
+    """torch's ``OutOfMemoryError`` (CUDA), the CPU allocator's "can't allocate memory", MemoryError,
+    and a tensor too large to even size ("Storage size calculation overflowed": a model dimension
+    in the billions, say)."""
     import torch  # late: the scripts import this module before they need torch
 
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(e)
-    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
+    needles = ("can't allocate memory", "not enough memory", "Storage size calculation overflowed")
+    return isinstance(e, RuntimeError) and any(n in text for n in needles)
 
 
 def describe_out_of_memory(e: BaseException, where: str) -> str:

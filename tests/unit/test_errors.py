@@ -49,6 +49,9 @@ def test_out_of_memory_of_either_allocator():
     with pytest.raises(RuntimeError) as cpu:
         torch.empty(1 << 50, dtype=torch.uint8)
     assert is_out_of_memory(cpu.value) and is_out_of_memory(MemoryError())
+    with pytest.raises(RuntimeError) as huge:  # --model.dim 2147483648: too large to even size
+        torch.empty(2**31, 2**31, 2**31, dtype=torch.float32, device="meta").to_empty(device="cpu")
+    assert is_out_of_memory(huge.value), huge.value
     assert not is_out_of_memory(RuntimeError("expected scalar type Float"))
     line = describe_failure(cpu.value, "step 7")
     assert line.startswith("step 7: out of memory (DefaultCPUAllocator: can't allocate memory")
