@@ -129,3 +129,37 @@ def test_every_recipe_gets_pad_inner_dim(recipe):
     _, _, model = build_model(cfg)
     w1 = model.get_submodule("layers.0.feed_forward.w1")  # 120 -> 352: inner dim 120 needs padding
     assert type(w1).__name__ == "Float8Linear" and w1.config.pad_inner_dim
+
+
+def _pretend_gpu(monkeypatch, cap: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
+@pytest.mark.parametrize("cap, fails", [((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_capability_check(monkeypatch, cap, fails):
+    """fp8 on a GPU below SM 8.9 fails naming the GPU, its capability, what fp8 needs and the fix."""
+    _pretend_gpu(monkeypatch, cap)
+    if not fails:
+        float8.check_fp8_capability()
+        return
+    with pytest.raises(ValueError) as e:
+        float8.check_fp8_capability()
+    msg = str(e.value)
+    assert "\n" not in msg and "NVIDIA A100-SXM4-80GB" in msg and f"capability {cap[0]}.{cap[1]}" in msg
+    assert "needs 8.9" in msg and 'training.precision = "bf16"' in msg
+
+
+def test_fp8_on_an_a100_stops_the_trainer_with_one_line(monkeypatch, capsys, in_process, tmp_path):
+    """Through the command line: one line on stderr, exit code 2, no traceback, nothing written."""
+    from spider_titan.train import main
+
+    _pretend_gpu(monkeypatch, (8, 0))
+    dump = tmp_path / "run"
+    code = main(["--training.precision", "fp8", "--training.device", "cpu", "--training.steps", "1",
+                 "--job.dump_folder", str(dump)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "NVIDIA A100-SXM4-80GB" in err[0] and "8.0" in err[0] and "fp8 needs 8.9" in err[0]
+    assert not any(dump.rglob("*.pt")) and not any(dump.rglob("*.safetensors"))
