@@ -137,7 +137,9 @@ def _pretend_gpu(monkeypatch, cap: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
 
 
-@pytest.mark.parametrize("cap, fails", [((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
+@pytest.mark.parametrize(
+    "cap, fails", [((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)]
+)
 def test_fp8_capability_check(monkeypatch, cap, fails):
     """fp8 on a GPU below SM 8.9 fails naming the GPU, its capability, what fp8 needs and the fix."""
     _pretend_gpu(monkeypatch, cap)
