@@ -148,12 +148,13 @@ def apply_float8(model: nn.Module, cfg) -> Float8Report:
 
 
 def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rowwise fp8 grouped GEMM (torchao); b must be per-group column-major, groups 16-aligned."""
+    """Rowwise fp8 grouped GEMM (torchao); groups 16-aligned. ``b`` arrives per-group column-major, the
+    layout torchao requires, because the experts store (E, out, in) and pass it transposed
+    (``GroupedExperts``): no copy of the weights here, only their fp8 quantization."""
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    b_col_major = b.transpose(-2, -1).contiguous().transpose(-2, -1)
     return _to_fp8_rowwise_then_scaled_grouped_mm(
-        a.to(torch.bfloat16), b_col_major.to(torch.bfloat16), offs, out_dtype=a.dtype,
+        a.to(torch.bfloat16), b.to(torch.bfloat16), offs, out_dtype=a.dtype,
         pad_token_groups_for_grouped_mm=False,
     )
 
