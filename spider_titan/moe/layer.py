@@ -66,7 +66,9 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_a = _zero_rows_past_end(_raw_grouped_mm(grad, b.transpose(-2, -1), offs), offs)
         if ctx.needs_input_grad[1]:
-            grad_b = _raw_grouped_mm(a.transpose(-2, -1), grad, offs)  # (E, K, N)
+            # Computed as (E, N, K) and handed back transposed: in the experts' layout ``b`` is the
+            # transpose of an (E, N, K) parameter, whose gradient then arrives contiguous (no copy).
+            grad_b = _raw_grouped_mm(grad.transpose(-2, -1), a, offs).transpose(-2, -1)  # (E, K, N)
         return grad_a, grad_b, None
 
 
@@ -82,6 +84,12 @@ class GroupedExperts(nn.Module):
     ``forward(x_exp (R, dim), offs (E,) int32) -> (R, dim)``: expert e handles rows
     ``offs[e-1]:offs[e]``; rows at or past ``offs[-1]`` come out zero. ``torch._grouped_mm``
     needs 16-byte aligned strides, so ``dim`` and ``inter_dim`` must be multiples of 8.
+
+    Layout (torchtitan's): each weight is stored (E, out, in), like an ``nn.Linear`` per expert,
+    and the GEMMs read it transposed, (E, in, out) per-group column-major. That is the layout
+    torchao's fp8 grouped GEMM requires of its right operand (strides (K*N, 1, K)), so fp8 needs
+    no per-call copy of the weights (a row-major (E, in, out) weight cost one transpose copy per
+    GEMM, ~207 MB per MoE call at 1B). Checkpoints saved before 2026-11-23 hold (E, in, out).
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
@@ -92,12 +100,13 @@ class GroupedExperts(nn.Module):
                 "(torch._grouped_mm needs 16-byte aligned rows)"
             )
         self.n_experts = n_experts
-        self.w1 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # (E, out, in)
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
 
     def _grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """``a (R, K) @ b[e] (K, N)`` per row group; the float8 converter overrides this method."""
+        """``a (R, K) @ b[e] (K, N)`` per row group, ``b`` per-group column-major (a transposed weight);
+        the float8 converter overrides this method."""
         return _GroupedMM.apply(a, b, offs)
 
     def forward(self, x_exp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -116,6 +125,7 @@ class GroupedExperts(nn.Module):
         # Mask each product right away: garbage in unwritten rows would become NaN through
         # silu' in the backward even behind a later mask (0 * NaN = NaN).
         w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype) for w in (w1, w3, w2))
+        w1, w3, w2 = (w.transpose(-2, -1) for w in (w1, w3, w2))  # (E, in, out) views, column-major
         gate = _zero_rows_past_end(self._grouped_mm(x_exp, w1, offs), offs)  # (R, inter)
         up = _zero_rows_past_end(self._grouped_mm(x_exp, w3, offs), offs)  # (R, inter)
         h = F.silu(gate) * up

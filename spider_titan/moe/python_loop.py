@@ -25,7 +25,7 @@ def python_loop_moe(
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * SwiGLU_{topk_idx[t, j]}(x[t]), differentiable in every float input.
 
-    x (T, dim), topk_idx (T, k) int, weights (T, k), w1/w3 (E, dim, inter), w2 (E, inter, dim)
+    x (T, dim), topk_idx (T, k) int, weights (T, k), w1/w3 (E, inter, dim), w2 (E, dim, inter)
     -> y (T, dim) in x's dtype. The weights may also be sequences of E per-expert matrices, the
     layout of a seed-style ModuleList of experts (no slicing of a 3-D tensor in backward).
     The experts compute in ``base.compute_dtype`` (autocast's when it is on), like the grouped path.
@@ -37,6 +37,6 @@ def python_loop_moe(
         if tok.numel() == 0:
             continue
         xe = x.index_select(0, tok).to(dtype)  # (n_e, dim)
-        ye = (F.silu(xe @ w1[e].to(dtype)) * (xe @ w3[e].to(dtype))) @ w2[e].to(dtype)  # (n_e, dim)
+        ye = (F.silu(xe @ w1[e].to(dtype).T) * (xe @ w3[e].to(dtype).T)) @ w2[e].to(dtype).T  # (n_e, dim)
         y = y.index_add(0, tok, ye * weights[tok, slot].unsqueeze(-1).to(x.dtype))
     return y

@@ -75,6 +75,20 @@ def fp8_grouped_mm_supported() -> tuple[bool, str]:
     return True, ""
 
 
+def check_fp8_capability() -> None:
+    """Stop at start-up when fp8 is asked of a CUDA GPU without fp8 tensor cores (below SM 8.9), where
+    ``torch._scaled_mm`` would fail mid-step; on CPU fp8 is emulated and allowed (tests, debugging)."""
+    if not torch.cuda.is_available():
+        return
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 9):
+        raise ValueError(
+            f"training.precision = \"fp8\" (float8 converter): {torch.cuda.get_device_name()} has CUDA capability "
+            f"{cap[0]}.{cap[1]}, fp8 needs 8.9 or newer (Ada, Hopper, Blackwell); set training.precision = \"bf16\" "
+            "(and drop \"float8\" from model.converters)"
+        )
+
+
 def _shape_ok(mod: nn.Linear, pad_inner_dim: bool) -> bool:
     return mod.out_features % 16 == 0 and (pad_inner_dim or mod.in_features % 16 == 0)
 
@@ -87,6 +101,7 @@ def apply_float8(model: nn.Module, cfg) -> Float8Report:
             raise ValueError(f"float8: {why}; install torchao or set float8.fallback = \"warn\"")
         logger.warning("float8 disabled: %s; training stays in high precision", why)
         return Float8Report()
+    check_fp8_capability()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     report = Float8Report()
@@ -133,12 +148,13 @@ def apply_float8(model: nn.Module, cfg) -> Float8Report:
 
 
 def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rowwise fp8 grouped GEMM (torchao); b must be per-group column-major, groups 16-aligned."""
+    """Rowwise fp8 grouped GEMM (torchao); groups 16-aligned. ``b`` arrives per-group column-major, the
+    layout torchao requires, because the experts store (E, out, in) and pass it transposed
+    (``GroupedExperts``): no copy of the weights here, only their fp8 quantization."""
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    b_col_major = b.transpose(-2, -1).contiguous().transpose(-2, -1)
     return _to_fp8_rowwise_then_scaled_grouped_mm(
-        a.to(torch.bfloat16), b_col_major.to(torch.bfloat16), offs, out_dtype=a.dtype,
+        a.to(torch.bfloat16), b.to(torch.bfloat16), offs, out_dtype=a.dtype,
         pad_token_groups_for_grouped_mm=False,
     )
 

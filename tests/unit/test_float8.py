@@ -129,3 +129,86 @@ def test_every_recipe_gets_pad_inner_dim(recipe):
     _, _, model = build_model(cfg)
     w1 = model.get_submodule("layers.0.feed_forward.w1")  # 120 -> 352: inner dim 120 needs padding
     assert type(w1).__name__ == "Float8Linear" and w1.config.pad_inner_dim
+
+
+def _pretend_gpu(monkeypatch, cap: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
+@pytest.mark.parametrize(
+    "cap, fails", [((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)]
+)
+def test_fp8_capability_check(monkeypatch, cap, fails):
+    """fp8 on a GPU below SM 8.9 fails naming the GPU, its capability, what fp8 needs and the fix."""
+    _pretend_gpu(monkeypatch, cap)
+    if not fails:
+        float8.check_fp8_capability()
+        return
+    with pytest.raises(ValueError) as e:
+        float8.check_fp8_capability()
+    msg = str(e.value)
+    assert "\n" not in msg and "NVIDIA A100-SXM4-80GB" in msg and f"capability {cap[0]}.{cap[1]}" in msg
+    assert "needs 8.9" in msg and 'training.precision = "bf16"' in msg
+
+
+def test_fp8_on_an_a100_stops_the_trainer_with_one_line(monkeypatch, capsys, in_process, tmp_path):
+    """Through the command line: one line on stderr, exit code 2, no traceback, nothing written."""
+    from spider_titan.train import main
+
+    _pretend_gpu(monkeypatch, (8, 0))
+    dump = tmp_path / "run"
+    code = main(["--training.precision", "fp8", "--training.device", "cpu", "--training.steps", "1",
+                 "--job.dump_folder", str(dump)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "NVIDIA A100-SXM4-80GB" in err[0] and "8.0" in err[0] and "fp8 needs 8.9" in err[0]
+    assert not any(dump.rglob("*.pt")) and not any(dump.rglob("*.safetensors"))
+
+
+def test_fp8_experts_copy_no_weight_per_call(monkeypatch):
+    """The fp8 expert path hands torchao its weights without a weight-sized copy (forward + backward).
+
+    torchao's fp8 grouped GEMM needs a GPU, so it is replaced by a stand-in that makes torchao's own
+    layout checks (A row-major, B per-group column-major) and multiplies in bf16. Every aten op that
+    writes a weight-sized tensor copy (clone, copy_, _to_copy) is counted; the former layout, which
+    transposed each weight with ``.contiguous()``, made 3 per forward (one per expert weight).
+    """
+    from types import MethodType
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchao.prototype.moe_training import fp8_grouped_mm
+    from torchao.prototype.moe_training.utils import _is_column_major
+
+    from spider_titan.moe.layer import GroupedExperts, _GroupedMM
+
+    def stand_in(A, B_t, offs, out_dtype, pad_token_groups_for_grouped_mm):
+        assert not _is_column_major(A) and _is_column_major(B_t)  # torchao's asserts
+        return _GroupedMM.apply(A, B_t, offs).to(out_dtype)
+
+    monkeypatch.setattr(fp8_grouped_mm, "_to_fp8_rowwise_then_scaled_grouped_mm", stand_in)
+    E, dim, inter = 4, 64, 48
+    experts = GroupedExperts(E, dim, inter).bfloat16()
+    experts.init_weights(0.02, 0.02)
+    experts._grouped_mm = MethodType(float8._fp8_grouped_mm, experts)
+    x = torch.randn(64, dim, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    weight_numel = E * dim * inter
+    copy_ops = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+    class CountWeightCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in copy_ops and isinstance(out, torch.Tensor) and out.numel() >= weight_numel:
+                self.copies.append(str(func))
+            return out
+
+    with CountWeightCopies() as mode:
+        experts(x, offs).float().square().sum().backward()
+    assert mode.copies == []
+    assert all(w.grad is not None and w.grad.is_contiguous() for w in (experts.w1, experts.w3, experts.w2))

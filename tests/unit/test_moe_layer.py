@@ -198,7 +198,7 @@ def test_grouped_experts_match_loop(dtype):
     starts = [0, 5, 5]
     for e in range(3):
         xe = x_exp[starts[e] : offs[e]].float()
-        w1, w3, w2 = (w[e].float() for w in (experts.w1, experts.w3, experts.w2))
+        w1, w3, w2 = (w[e].float().T for w in (experts.w1, experts.w3, experts.w2))  # stored (out, in)
         ref = (torch.nn.functional.silu(xe @ w1) * (xe @ w3)) @ w2
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out[starts[e] : offs[e]].float(), ref, atol=tol, rtol=tol)

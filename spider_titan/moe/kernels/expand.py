@@ -8,9 +8,9 @@ What it computes, for every buffer row r with t = pos_to_token[r]:
 Every row is written exactly once by a gather, so no zero-fill and no atomics are needed.
 
 Layout: x (T, D) and out (R, D) row-major contiguous; w (T, K) and token_slot_to_pos (T, K).
-One program handles BLOCK_R rows and walks D in BLOCK_D chunks. Values are loaded in their own
-dtype (bf16 or fp32), scaled in fp32 and rounded to out's dtype (``cast.round_to``); no tl.dot or
-bf16 arithmetic, so the kernel is exact under TRITON_INTERPRET=1 too.
+One program handles BLOCK_R rows and walks D in BLOCK_D chunks (tile sizes: ``launch.py``). Values
+are loaded in their own dtype (bf16 or fp32), scaled in fp32 and rounded to out's dtype
+(``cast.round_to``); no tl.dot or bf16 arithmetic, so the kernel is exact under TRITON_INTERPRET=1 too.
 
 Limits: offsets are int64 (no overflow for large R * D); K is a compile-time constant (top-k).
 """
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from spider_titan.moe.kernels.cast import round_to
+from spider_titan.moe.kernels.launch import tile_config
 
 
 @triton.jit
@@ -60,9 +61,9 @@ def expand_rows(
     out = torch.empty(R, D, dtype=out_dtype or x.dtype, device=x.device)
     has_w = weights is not None
     K = weights.shape[1] if has_w else 1
-    BLOCK_R, BLOCK_D = 32, min(256, triton.next_power_of_2(D))
-    _expand_kernel[(triton.cdiv(R, BLOCK_R),)](
+    tile = tile_config("expand", D)
+    _expand_kernel[(triton.cdiv(R, tile.block_rows),)](
         x, pos_to_token, weights if has_w else x, token_slot_to_pos if has_w else pos_to_token, out, R, D,
-        K=K, HAS_WEIGHTS=has_w, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
+        K=K, HAS_WEIGHTS=has_w, BLOCK_R=tile.block_rows, BLOCK_D=tile.block_d, num_warps=tile.num_warps,
     )
     return out

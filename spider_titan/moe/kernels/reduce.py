@@ -7,10 +7,10 @@ What they compute, with pos = token_slot_to_pos (T, K):
   ``_weight_grad_kernel``  dw[t, j] = <y_exp[pos[t, j]], dy[t]>      (the reduce backward to the router)
 
 Layout: y_exp (R, D), y / dy (T, D), w / dw (T, K), all row-major contiguous. One program handles
-BLOCK_T tokens; it walks D in BLOCK_D chunks and the K slots in a fixed order, gathering rows, so
-the sum order is fixed: deterministic, no atomics. Rows are loaded in their dtype (bf16 or fp32)
-and accumulated in fp32 (bf16 tl.sum is wrong under TRITON_INTERPRET=1, and fp32 is the contract),
-then rounded to the output dtype with ``cast.round_to``.
+BLOCK_T tokens (tile sizes: ``launch.py``); it walks D in BLOCK_D chunks and the K slots in a fixed
+order, gathering rows, so the sum order is fixed: deterministic, no atomics. Rows are loaded in
+their dtype (bf16 or fp32) and accumulated in fp32 (bf16 tl.sum is wrong under TRITON_INTERPRET=1,
+and fp32 is the contract), then rounded to the output dtype with ``cast.round_to``.
 
 Limits: K is a compile-time constant (top-k); offsets are int64.
 """
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from spider_titan.moe.kernels.cast import round_to
+from spider_titan.moe.kernels.launch import tile_config
 
 
 @triton.jit
@@ -63,21 +64,17 @@ def _weight_grad_kernel(
         tl.store(dw_ptr + toks * K + j, round_to(acc, dw_ptr.dtype.element_ty), mask=tok_ok)
 
 
-def _blocks(D: int) -> tuple[int, int]:
-    return 32, min(256, triton.next_power_of_2(D))
-
-
 def reduce_rows(
     y_exp: torch.Tensor, token_slot_to_pos: torch.Tensor, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y_exp (R, D) -> (T, D) in y_exp's dtype: the (weighted) fp32 sum of each token's k rows."""
     (T, K), D = token_slot_to_pos.shape, y_exp.shape[1]
     out = torch.empty(T, D, dtype=y_exp.dtype, device=y_exp.device)
-    BLOCK_T, BLOCK_D = _blocks(D)
+    tile = tile_config("reduce", D)
     has_w = weights is not None
-    _reduce_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _reduce_kernel[(triton.cdiv(T, tile.block_rows),)](
         y_exp, token_slot_to_pos, weights if has_w else y_exp, out, T, D,
-        K=K, HAS_WEIGHTS=has_w, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        K=K, HAS_WEIGHTS=has_w, BLOCK_T=tile.block_rows, BLOCK_D=tile.block_d, num_warps=tile.num_warps,
     )
     return out
 
@@ -88,8 +85,9 @@ def weight_grad(
     """dw (T, K) in ``dtype``: dw[t, j] = <y_exp[pos[t, j]], dy[t]>, summed in fp32."""
     (T, K), D = token_slot_to_pos.shape, y_exp.shape[1]
     dw = torch.empty(T, K, dtype=dtype, device=y_exp.device)
-    BLOCK_T, BLOCK_D = _blocks(D)
-    _weight_grad_kernel[(triton.cdiv(T, BLOCK_T),)](
-        y_exp, dy, token_slot_to_pos, dw, T, D, K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D
+    tile = tile_config("weight_grad", D)
+    _weight_grad_kernel[(triton.cdiv(T, tile.block_rows),)](
+        y_exp, dy, token_slot_to_pos, dw, T, D, K=K, BLOCK_T=tile.block_rows, BLOCK_D=tile.block_d,
+        num_warps=tile.num_warps,
     )
     return dw

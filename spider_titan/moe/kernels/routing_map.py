@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from spider_titan.moe.base import RoutingMap, max_rows
+from spider_titan.moe.kernels.launch import routing_map_blocks
 
 
 @triton.jit
@@ -83,8 +84,7 @@ def build_routing_map(topk_idx: torch.Tensor, n_experts: int, align: int) -> Rou
     """Launch the three kernels on validated, contiguous int64 ``topk_idx (T, k)``."""
     T, k = topk_idx.shape
     N, E, device = T * k, n_experts, topk_idx.device
-    E_PAD = triton.next_power_of_2(E)
-    BLOCK = max(16, min(1024, 8192 // E_PAD))  # one-hot tile of at most 8192 int32
+    BLOCK, E_PAD = routing_map_blocks(E)  # one-hot tile of at most 8192 int32
     n_blocks = max(1, triton.cdiv(N, BLOCK))
 
     hist = torch.empty(n_blocks, E, dtype=torch.int32, device=device)
