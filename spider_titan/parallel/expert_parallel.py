@@ -1,7 +1,7 @@
 """Expert parallel: each of ``ep`` ranks holds E/ep experts and computes them for the whole EP group.
 
 Applied by :func:`apply_expert_parallel` to every ``MoE`` layer's ``GroupedExperts``: the grouped
-weights ``w1, w3 (E, dim, inter)`` and ``w2 (E, inter, dim)`` become DTensors sharded on dim 0 over
+weights ``w1, w3 (E, inter, dim)`` and ``w2 (E, dim, inter)`` become DTensors sharded on dim 0 over
 the "ep" mesh (rank r keeps experts ``[r*E/ep, (r+1)*E/ep)``), and the experts' forward becomes
 dispatch -> local grouped GEMM -> combine. Router, mapping, expand, reduce and the aux loss stay
 local to each rank and untouched: the MoE layer hands the experts its usual expert-major buffer
