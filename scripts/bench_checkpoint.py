@@ -70,8 +70,7 @@ def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
     """Save / load / async / export timings and sizes of one flavor, built for real."""
     spec = registry.get("model", name)
     margs = spec.build_args(flavor)
-    with torch.device("meta"):
-        model = spec.model_cls(margs)
+    model = spec.build_on_meta(margs)
     materialize(model, torch.device("cpu"), seed=0)
     optimizer = registry.get("optimizer", "AdamW")(model, Optimizer())
     states = {
@@ -121,8 +120,7 @@ def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
 def estimate(name: str, flavor: str, bandwidth: dict[str, float]) -> dict[str, Any]:
     """Checkpoint and export sizes of a flavor built on meta, and times at the probe's bandwidth."""
     spec = registry.get("model", name)
-    with torch.device("meta"):
-        model = spec.model_cls(spec.build_args(flavor))
+    model = spec.build_on_meta(spec.build_args(flavor))
     n = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for _, b in model.named_buffers() if b is not None)
     checkpoint_bytes = 12 * n + buffers  # fp32 weights + AdamW exp_avg and exp_avg_sq

@@ -280,12 +280,11 @@ def ac_memory(args: argparse.Namespace) -> dict:
 
     # One 1B core block: (1, 2048 positions, dim 2048), fp32 on CPU.
     from spider_titan.models.spider.args import SPIDER_FLAVORS
-    from spider_titan.models.spider.model import SPIDER_SPEC, Spider
+    from spider_titan.models.spider.model import SPIDER_SPEC
 
     block_row = {}
     for mode, option in [("none", "op"), ("full", "op"), ("selective", "op")]:
-        with torch.device("meta"):
-            model = Spider(SPIDER_FLAVORS["1B"])
+        model = SPIDER_SPEC.build_on_meta(SPIDER_FLAVORS["1B"])
         apply_ac(model, SPIDER_SPEC, parse_args(["--activation_checkpoint.mode", mode,
                                                  "--activation_checkpoint.selective_ac_option", option], env={}).activation_checkpoint)
         block = model.core.layers[0]

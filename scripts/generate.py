@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from spider_titan.generation import check_sampling, generate, load_model, resolve_device  # noqa: E402
-from spider_titan.models.common import DTYPES  # noqa: E402
+from spider_titan.protocol import DTYPES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

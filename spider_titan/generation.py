@@ -36,7 +36,7 @@ from spider_titan.checkpoint.export import (
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize
-from spider_titan.models.common import BOS_ID, EOS_ID, VOCAB_SIZE
+from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
 
 # ids a sample can draw: the 256 bytes and EOS (the range of top_k)
 DRAWABLE = 257
@@ -154,8 +154,7 @@ def load_model(
     config, identity = _read_config(path)
     spec = registry.get("model", identity.name)
     try:
-        with torch.device("meta"):
-            model = spec.model_cls(identity.build_args())
+        model = spec.build_on_meta(identity.build_args())
     except Exception as e:  # args of the right types whose values build no model (n_heads = 0, ...)
         raise ValueError(f"{path / CONFIG_FILE}: model.args build no {identity.name!r} model "
                          f"({type(e).__name__}: {e}); restore it or {REEXPORT}") from None

@@ -32,13 +32,13 @@ from spider_titan.config.manager import ConfigError, help_text, parse_args, to_t
 from spider_titan.data.shards import DataError
 from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
-from spider_titan.models.common import IGNORE_INDEX
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.signals import STOP_SIGNALS, Interrupted, StopSignal, exit_now
 from spider_titan.training.validation import Validator
+from spider_titan.vocab import IGNORE_INDEX
 
 logger = logging.getLogger("spider_titan")
 

@@ -56,7 +56,7 @@ from spider_titan.checkpoint.layout import (
     read_meta,
     resolve_checkpoint,
 )
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"

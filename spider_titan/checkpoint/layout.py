@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from spider_titan.components import registry
 
 FORMAT_VERSION = 1
@@ -67,8 +65,7 @@ class ModelIdentity:
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """FQN -> shape of every saved tensor, from a model built on the meta device (no memory)."""
         spec = registry.get("model", self.name)
-        with torch.device("meta"):
-            model = spec.model_cls(self.build_args())
+        model = spec.build_on_meta(self.build_args())
         return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 

@@ -98,7 +98,7 @@ from spider_titan.checkpoint.layout import (
     share,
 )
 from spider_titan.errors import WriteFailed, describe_os_error, find_os_error
-from spider_titan.models.common import DTYPES
+from spider_titan.protocol import DTYPES
 
 if TYPE_CHECKING:
     from spider_titan.components.builder import Run

@@ -36,11 +36,11 @@ from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
-from spider_titan.models.common import DTYPES, ModelSpec
 from spider_titan.optim.lr_schedulers import build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.compile import apply_compile
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
+from spider_titan.protocol import DTYPES, ModelSpec
 
 logger = logging.getLogger("spider_titan")
 
@@ -120,8 +120,7 @@ def build_model(cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None
     spec = registry.get("model", cfg.model.name)
     args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
     # 3) build on meta
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    model = spec.build_on_meta(args)
     # 4) converters; their post-step hooks go to ``post_step_hooks`` when a list is given
     for name in resolve_converters(cfg):
         report = registry.get("converter", name)(model, getattr(cfg, name, None))

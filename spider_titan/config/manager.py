@@ -25,7 +25,6 @@ import tomli
 from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig, Range
 
-
 # Config keys whose value names registered components (a list names several), with their
 # registry kind: validate() checks them and --help lists the names they accept.
 REGISTRY_KEYS: dict[str, str] = {

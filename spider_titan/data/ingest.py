@@ -54,7 +54,7 @@ from typing import Any, BinaryIO, ClassVar, Literal
 import numpy as np
 
 from spider_titan.data.shards import ShardWriter, corpus_metadata, os_error_reason, write_metadata
-from spider_titan.models.common import BOS_ID, EOS_ID
+from spider_titan.vocab import BOS_ID, EOS_ID
 
 logger = logging.getLogger("spider_titan")
 

@@ -36,7 +36,7 @@ from spider_titan.data.builtin_corpus import builtin_corpus_dir
 from spider_titan.data.ingest import read_documents
 from spider_titan.data.shards import DataError, bad_token_error, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import encode_bytes
-from spider_titan.models.common import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
+from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 logger = logging.getLogger("spider_titan")
 

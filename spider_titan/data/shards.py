@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 HEADER_MAGIC = 20240520
 HEADER_VERSION = 1

@@ -1,7 +1,7 @@
 """The byte tokenizer: a document is ``[BOS] + its UTF-8 bytes + [EOS]``.
 
 Ids 0..255 are the bytes themselves; the specials (PAD, BOS, EOS, ...) sit above them in the
-vocabulary defined once in ``spider_titan.models.common``. There is nothing to train and
+vocabulary defined once in ``spider_titan.vocab``. There is nothing to train and
 nothing to download, so every shard, corpus and sample in the repo agrees on the mapping.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from spider_titan.models.common import BOS_ID, EOS_ID
+from spider_titan.vocab import BOS_ID, EOS_ID
 
 __all__ = ["encode", "decode", "encode_bytes"]
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from spider_titan.protocol import FLOPS_PER_BYTE
+
 logger = logging.getLogger("spider_titan")
 
 # Dense bf16 peak TFLOP/s by device name substring, for MFU (vendor datasheets, no sparsity).
@@ -105,7 +107,7 @@ class ConsoleLogger:
     under it. Counters meant for plots (tokens seen, cumulative and per-byte FLOPs) are left to
     metrics.jsonl and TensorBoard."""
 
-    hidden = ("total_steps", "tokens_seen", "train_flops", "flops_per_byte", "val_flops_per_byte")
+    hidden = ("total_steps", "tokens_seen", "train_flops", FLOPS_PER_BYTE, f"val_{FLOPS_PER_BYTE}")
 
     def lines(self, step: int, scalars: dict[str, float]) -> list[str]:
         """The console lines for one log call, none longer than ``CONSOLE_WIDTH``."""

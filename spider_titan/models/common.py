@@ -1,69 +1,14 @@
-"""Building blocks and contracts shared by every model in spider_titan.
-
-A model is a plain ``nn.Module`` with no distributed imports; ``forward(input_ids, labels=None,
-sample_ids=None)``, where ``sample_ids`` (B,) int64 keys any training-time noise per sample
-(the trainer passes global sample indices, so noise does not depend on the parallel layout). It is described to the rest of
-the framework by a :class:`ModelSpec` (registered in ``components/registry.py``) and returns a
-:class:`ModelOutput` from ``forward``. Parallelism, float8, activation checkpointing and
-``torch.compile`` are applied from outside, and they find the model's repeated blocks through
-``ModelSpec.block_containers``.
-"""
+"""Building blocks shared by the models: attention through SDPA, SwiGLU, the pre-norm block, RoPE
+and the initialisation scales. The contract a model fulfils is in ``spider_titan/protocol.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-# Vocabulary (MODEL.md): 0..255 bytes, then specials.
-VOCAB_SIZE = 272
-PAD_ID = 256
-BOS_ID = 257
-EOS_ID = 258
-IGNORE_INDEX = -100
-
-# dtype names as configs and CLIs spell them
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class ModelOutput:
-    """What every model's forward returns.
-
-    logits:   (B, T, VOCAB_SIZE)
-    loss:     scalar total loss (lm_loss + weighted auxiliary terms), None without labels
-    aux_loss: scalar, the weighted sum of the non-LM loss terms (zero for models without any);
-              present with or without labels so the train loop can normalise the LM term itself
-    aux:      scalar tensors for metrics (lm_loss, moe_aux_loss, ...), detached or not
-    """
-
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-byte cross-entropy over labels != IGNORE_INDEX, computed in fp32."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
-def lm_loss_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy over labels != IGNORE_INDEX (0 when there are none)."""
-    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
-    return lm_loss_sum(logits, labels) / n
-
 
 # SDPA backends, most preferred first. FlashAttention needs q, k and v of one head dim, so MLA's
 # (qk 192, v 128) would fall through to math with torch's default order on some builds; cuDNN and
@@ -78,60 +23,6 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> 
     (the first backend that accepts the shapes runs; torch.compile traces the choice)."""
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How the framework builds and handles one registered model.
-
-    name:             registry key
-    args_cls:         dataclass of the model's hyper-parameters (every field overridable in [model])
-    flavors:          flavor name -> args instance
-    model_cls:        nn.Module class constructed as ``model_cls(args)``; must build on the meta device
-                      and provide ``init_weights()``
-    block_containers: FQNs of the ModuleLists that hold the repeated blocks (FSDP units, AC and
-                      compile targets), in forward order
-    flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
-    recurrent_containers: the block containers applied several times per forward (a recurrent
-                      core); activation checkpointing's ``recurrent`` mode wraps these
-    loss_sum:         ``(logits, labels) -> scalar``: the training objective summed over labels (the
-                      trainer normalises it over all micro-batches and ranks); next-byte
-                      cross-entropy unless a model says otherwise
-    train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
-                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise)
-    eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
-                      calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
-                      ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
-                      as ``val_<key>``); None means one plain pass
-    """
-
-    name: str
-    args_cls: type
-    flavors: dict[str, Any]
-    model_cls: type
-    block_containers: tuple[str, ...]
-    flops_per_token: Callable[..., float]
-    recurrent_containers: tuple[str, ...] = ()
-    eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
-    train_inputs: tuple[str, ...] = ()
-
-    def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
-        """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
-        if flavor not in self.flavors:
-            raise ValueError(
-                f"model.flavor: {flavor!r} is not a flavor of {self.name!r}; choose one of {list(self.flavors)}"
-            )
-        return dataclasses.replace(self.flavors[flavor], **(overrides or {}))
-
-    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """Every repeated block as (fqn, module), in forward order."""
-        out = []
-        for container in self.block_containers:
-            mod = model.get_submodule(container)
-            for name, block in mod.named_children():
-                out.append((f"{container}.{name}", block))
-        return out
 
 
 class SwiGLU(nn.Module):

@@ -31,7 +31,6 @@ from spider_titan.moe.base import (
     max_rows,
 )
 
-
 logger = logging.getLogger("spider_titan")
 
 

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from spider_titan.models.common import ModelSpec
 from spider_titan.moe.routing_replay import RoutingReplay
+from spider_titan.protocol import ModelSpec
 
 logger = logging.getLogger("spider_titan")
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+
 class CommCounter:
     """Running byte totals keyed by (kind, tag), and the per-step tallies."""
 

@@ -20,7 +20,7 @@ import logging
 
 from torch import nn
 
-from spider_titan.models.common import ModelSpec
+from spider_titan.protocol import ModelSpec
 
 logger = logging.getLogger("spider_titan")
 

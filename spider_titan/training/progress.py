@@ -14,14 +14,12 @@ import torch
 from spider_titan.config.job_config import Training
 from spider_titan.metrics.logger import Throughput, memory_gib, peak_flops
 from spider_titan.parallel.utils import all_reduce_sum
+from spider_titan.protocol import FLOPS_PER_BYTE
 
 LN2 = math.log(2.0)
 
 # A step's metrics hold the model's own figures (``ModelOutput.aux``) under this prefix.
 AUX = "aux."
-# The aux key of a model that reports the training FLOPs per byte of the forward it ran (Spider: from
-# its segmentation and loops run); a model without it is counted by its spec's ``flops_per_token``.
-FLOPS_PER_BYTE = "flops_per_byte"
 
 T = TypeVar("T")
 

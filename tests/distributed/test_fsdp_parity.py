@@ -71,11 +71,11 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
 
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
-    from spider_titan.models.common import lm_loss_sum
     from spider_titan.parallel.comm_counter import step_total
     from spider_titan.parallel.fsdp import maybe_no_grad_sync
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism
+    from spider_titan.protocol import lm_loss_sum
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)

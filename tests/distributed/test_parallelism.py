@@ -152,10 +152,10 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
 
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
-    from spider_titan.models.common import lm_loss_sum
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism
     from spider_titan.parallel.utils import clip_grad_norm_
+    from spider_titan.protocol import lm_loss_sum
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -244,10 +244,10 @@ def _routing_replay_worker(rank: int, world_size: int, store: str, mode: str) ->
 
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
-    from spider_titan.models.common import lm_loss_sum
     from spider_titan.moe.layer import MoE
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism, fsdp_units
+    from spider_titan.protocol import lm_loss_sum
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.utils import check_ok, read_metrics, run_train, train_losses

@@ -25,8 +25,8 @@ from spider_titan.components import registry
 from spider_titan.config.manager import sections
 from spider_titan.data.shards import HEADER_MAGIC, HEADER_VERSION, HEADER_WORDS, write_shard
 from spider_titan.data.tokenizer import encode
-from spider_titan.models.common import PAD_ID
 from spider_titan.train import main
+from spider_titan.vocab import PAD_ID
 from tests.utils import REPO
 
 FUZZ_SEED = int(os.environ.get("FUZZ_SEED", "0"))

@@ -30,8 +30,8 @@ import torch
 from spider_titan.checkpoint.export import read_checkpoint_tensors
 from spider_titan.config.manager import sections
 from spider_titan.data.shards import write_shard
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID
 from spider_titan.train import main
+from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
 from tests.utils import REPO, check_ok, read_metrics, run_train
 
 SPIDER = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils import check_ok, read_metrics, run_train
-from tests.utils import train_losses as train_losses_of
 from spider_titan.config.manager import parse_args
 from spider_titan.train import Trainer
 from spider_titan.training.progress import reduce_metrics
+from tests.utils import check_ok, read_metrics, run_train
+from tests.utils import train_losses as train_losses_of
 
 
 def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]:

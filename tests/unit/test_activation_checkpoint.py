@@ -7,7 +7,7 @@ import torch
 
 from spider_titan.components.builder import build_model, materialize
 from spider_titan.config.manager import parse_args
-from spider_titan.models.common import lm_loss_mean
+from spider_titan.protocol import lm_loss_mean
 
 MODES = [("full", "op"), ("selective", "op"), ("selective", "2"), ("recurrent", "op")]
 

@@ -29,8 +29,8 @@ from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.config.manager import parse_args
 from spider_titan.generation import generate, load_model, sample_next
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from spider_titan.train import Trainer
+from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from tests.utils import REPO
 
 # Loads the export with safetensors alone and proves that nothing of spider_titan was imported.

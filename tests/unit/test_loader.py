@@ -21,7 +21,7 @@ from spider_titan.data.loader import (
 )
 from spider_titan.data.shards import DataError, read_metadata, read_shard, write_shard
 from spider_titan.data.tokenizer import decode, encode
-from spider_titan.models.common import IGNORE_INDEX, PAD_ID
+from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
 SEQ = 16
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spider_titan.data.loader import build_bytes_dataset
 from spider_titan.data import ingest
 from spider_titan.data.ingest import prepare_shards
+from spider_titan.data.loader import build_bytes_dataset
 from spider_titan.data.shards import HEADER_BYTES, ShardWriter, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import decode
-from spider_titan.models.common import BOS_ID, EOS_ID, VOCAB_SIZE
+from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
 from tests.utils import check_ok, run_train
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import spider_titan.models.spider.model as spider_model
-from spider_titan.models.common import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 from spider_titan.models.spider import SPIDER_FLAVORS, Spider
 from spider_titan.models.spider import engram as engram_mod
 from spider_titan.models.spider.flexitokens import downsample, segment_bytes, upsample
 from spider_titan.models.spider.recurrence import HaltingState
+from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 DEBUG = SPIDER_FLAVORS["debug"]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import spider_titan
-from spider_titan.models.common import BOS_ID, EOS_ID
 from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+from spider_titan.vocab import BOS_ID, EOS_ID
 
 
 def corpus() -> torch.Tensor:

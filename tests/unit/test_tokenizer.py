@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spider_titan.data.tokenizer import decode, encode, encode_bytes
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID
+from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
 
 TEXTS = ["", "hello world", "héllo wörld — ünïcode ✓ 日本語 🙂", "line\nbreaks\tand\x00nul"]
 

@@ -12,17 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spider_titan.models.common import (
-    VOCAB_SIZE,
-    ModelOutput,
-    ModelSpec,
-    PreNormBlock,
-    apply_rope,
-    causal_sdpa,
-    depth_scaled_std,
-    lm_loss_mean,
-    rope_frequencies,
-)
+from spider_titan.models.common import PreNormBlock, apply_rope, causal_sdpa, depth_scaled_std, rope_frequencies
+from spider_titan.protocol import ModelOutput, ModelSpec, lm_loss_mean
+from spider_titan.vocab import VOCAB_SIZE
 
 
 @dataclass

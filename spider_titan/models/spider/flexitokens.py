@@ -85,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.common import BOS_ID, EOS_ID, PAD_ID
+from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 def causal_standardize(x: torch.Tensor, eps: float = 1e-2) -> torch.Tensor:

@@ -17,7 +17,7 @@ largest segment count: the core runs on (B, S) segments, padding included.
 
 from __future__ import annotations
 
-from spider_titan.models.common import VOCAB_SIZE
+from spider_titan.vocab import VOCAB_SIZE
 
 
 def spider_flops_breakdown(

@@ -48,18 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spider_titan.models.common import (
-    IGNORE_INDEX,
-    PAD_ID,
-    VOCAB_SIZE,
-    ModelOutput,
-    ModelSpec,
-    PreNormBlock,
-    default_init_std,
-    depth_scaled_std,
-    lm_loss_mean,
-    rope_frequencies,
-)
+from spider_titan.models.common import PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
 from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import engram_bucket_ids
@@ -72,6 +61,8 @@ from spider_titan.models.spider.flexitokens import (
 )
 from spider_titan.models.spider.flops import spider_flops_per_byte
 from spider_titan.models.spider.recurrence import RecurrentCore
+from spider_titan.protocol import FLOPS_PER_BYTE, ModelOutput, ModelSpec, lm_loss_mean
+from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 
 @dataclass
@@ -208,7 +199,7 @@ class Spider(nn.Module):
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
             # From the host ints S and loops_run: the core's actual (padded) work, no extra sync.
-            "flops_per_byte": torch.full(
+            FLOPS_PER_BYTE: torch.full(
                 (), spider_flops_per_byte(a, T, n_loops=core.loops_run, bytes_per_segment=T / S), device=device
             ),
         }

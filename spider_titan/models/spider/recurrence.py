@@ -61,10 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.moe.layer import MoE
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import Engram
+from spider_titan.moe.layer import MoE
 
 
 def _at(weights: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""The model protocol: what every model gives the framework, and what the framework relies on.
+
+A model is a plain ``nn.Module`` with no distributed imports that builds on the meta device and
+provides ``init_weights()``; ``forward(input_ids, ...)`` returns a :class:`ModelOutput`. It is
+described to the rest of the framework by a :class:`ModelSpec` (registered in
+``components/registry.py``): its args and flavors, the containers of its repeated blocks (which
+parallelism, float8, activation checkpointing and compile find through ``block_containers``), its
+FLOPs, its training objective and its validation variants. ``sample_ids`` (B,) int64, for models
+that ask for them (``train_inputs``), key training-time noise per sample: the trainer passes
+global sample indices, so the noise does not depend on the parallel layout. docs/model.md says
+what Spider does with each part; docs/extension.md adds a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spider_titan.vocab import IGNORE_INDEX
+
+# dtype names as configs and CLIs spell them
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# The key of ``ModelOutput.aux`` in which a model reports the training FLOPs per input byte of the
+# forward just run (Spider: from its actual segmentation); the trainer uses it over the spec's
+# formula when present.
+FLOPS_PER_BYTE = "flops_per_byte"
+
+
+@dataclass
+class ModelOutput:
+    """What every model's forward returns.
+
+    logits:   (B, T, VOCAB_SIZE)
+    loss:     scalar total loss (lm_loss + weighted auxiliary terms), None without labels
+    aux_loss: scalar, the weighted sum of the non-LM loss terms (zero for models without any);
+              present with or without labels so the train loop can normalise the LM term itself
+    aux:      scalar tensors for metrics (lm_loss, moe_aux_loss, ...), detached or not
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-byte cross-entropy over labels != IGNORE_INDEX, computed in fp32."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def lm_loss_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy over labels != IGNORE_INDEX (0 when there are none)."""
+    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return lm_loss_sum(logits, labels) / n
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How the framework builds and handles one registered model.
+
+    name:             registry key
+    args_cls:         dataclass of the model's hyper-parameters (every field overridable in [model])
+    flavors:          flavor name -> args instance
+    model_cls:        nn.Module class constructed as ``model_cls(args)``; must build on the meta device
+                      and provide ``init_weights()``
+    block_containers: FQNs of the ModuleLists that hold the repeated blocks (FSDP units, AC and
+                      compile targets), in forward order
+    flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
+    recurrent_containers: the block containers applied several times per forward (a recurrent
+                      core); activation checkpointing's ``recurrent`` mode wraps these
+    loss_sum:         ``(logits, labels) -> scalar``: the training objective summed over labels (the
+                      trainer normalises it over all micro-batches and ranks); next-byte
+                      cross-entropy unless a model says otherwise
+    train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
+                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise)
+    eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
+                      calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
+                      ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
+                      as ``val_<key>``); None means one plain pass
+    """
+
+    name: str
+    args_cls: type
+    flavors: dict[str, Any]
+    model_cls: type
+    block_containers: tuple[str, ...]
+    flops_per_token: Callable[..., float]
+    recurrent_containers: tuple[str, ...] = ()
+    eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
+    train_inputs: tuple[str, ...] = ()
+
+    def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
+        """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
+        if flavor not in self.flavors:
+            raise ValueError(
+                f"model.flavor: {flavor!r} is not a flavor of {self.name!r}; choose one of {list(self.flavors)}"
+            )
+        return dataclasses.replace(self.flavors[flavor], **(overrides or {}))
+
+    def build_on_meta(self, args: Any) -> nn.Module:
+        """The model for ``args`` on the meta device: no memory until ``to_empty`` + ``init_weights``."""
+        with torch.device("meta"):
+            return self.model_cls(args)
+
+    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every repeated block as (fqn, module), in forward order."""
+        out = []
+        for container in self.block_containers:
+            mod = model.get_submodule(container)
+            for name, block in mod.named_children():
+                out.append((f"{container}.{name}", block))
+        return out
