@@ -77,11 +77,11 @@ def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dty
     a step (gradient sync on the last only with ``no_sync``); the last step's tally."""
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
+    from spider_titan.distributed import clip_grad_norm_
     from spider_titan.parallel.comm_counter import CommCounter
     from spider_titan.parallel.fsdp import apply_fsdp, maybe_no_grad_sync
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism
-    from spider_titan.parallel.utils import clip_grad_norm_
     from spider_titan.quantization.float8 import build_float8_post_step_hook
 
     cfg = parse_args(["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true",

@@ -30,10 +30,10 @@ from spider_titan.components.builder import Run, build_run
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
 from spider_titan.data.shards import DataError
+from spider_titan.distributed import all_reduce_sum, clip_grad_norm_
 from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
-from spider_titan.parallel.utils import all_reduce_sum, clip_grad_norm_
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.signals import STOP_SIGNALS, Interrupted, StopSignal, exit_now

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from spider_titan.distributed import all_reduce_sum
 from spider_titan.moe.layer import MoE
-from spider_titan.parallel.utils import all_reduce_sum
 
 logger = logging.getLogger("spider_titan")
 

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from spider_titan.distributed import differentiable_all_reduce_sum
 from spider_titan.moe.layer import MoE
 from spider_titan.parallel.comm_counter import CommCounter
 from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from spider_titan.parallel.fsdp import apply_forward_prefetch, apply_fsdp, device_memory_bytes, keep_gathered
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
-from spider_titan.parallel.utils import differentiable_all_reduce_sum
 from spider_titan.protocol import ModelSpec
 
 logger = logging.getLogger("spider_titan")

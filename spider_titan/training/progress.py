@@ -12,8 +12,8 @@ from typing import TypeVar
 import torch
 
 from spider_titan.config.job_config import Training
+from spider_titan.distributed import all_reduce_sum
 from spider_titan.metrics.logger import Throughput, memory_gib, peak_flops
-from spider_titan.parallel.utils import all_reduce_sum
 from spider_titan.protocol import FLOPS_PER_BYTE
 
 LN2 = math.log(2.0)

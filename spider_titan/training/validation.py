@@ -12,7 +12,7 @@ from torch import nn
 
 from spider_titan.config.job_config import Validation
 from spider_titan.data.loader import ByteDataLoader
-from spider_titan.parallel.utils import all_reduce_sum
+from spider_titan.distributed import all_reduce_sum
 from spider_titan.protocol import ModelSpec
 from spider_titan.training.health import NoLabelsError
 from spider_titan.training.progress import LN2

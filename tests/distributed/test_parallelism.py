@@ -152,9 +152,9 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
 
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
+    from spider_titan.distributed import clip_grad_norm_
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism
-    from spider_titan.parallel.utils import clip_grad_norm_
     from spider_titan.protocol import lm_loss_sum
 
     torch.set_num_threads(1)

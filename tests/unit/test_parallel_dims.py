@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spider_titan.distributed import clip_grad_norm_
 from spider_titan.parallel.comm_counter import CommCounter, read_comm_counts, step_total
 from spider_titan.parallel.expert_parallel import expert_major_index
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
-from spider_titan.parallel.utils import clip_grad_norm_
 
 
 def dims(world: int, rep: int = 1, shard: int = -1, ep: int = 1) -> ParallelDims:

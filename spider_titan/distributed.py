@@ -1,4 +1,6 @@
-"""Small distributed helpers used by the train loop (no-ops in a single process)."""
+"""The few collectives everyone shares: sums over ranks (plain and differentiable), the world size and
+the gradient-norm clip across meshes. No-ops in a single process; below models, MoE and parallel code
+in the layering (docs/architecture.md), so any of them may use these."""
 
 from __future__ import annotations
 
