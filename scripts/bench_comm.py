@@ -90,14 +90,13 @@ def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dty
     materialize(model, torch.device("cpu"), cfg.training.seed)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     meshes = dims.build_meshes("cpu")
+    counter = CommCounter()
     if per_block_units:
-        counter = CommCounter()
-        counter.attach_to_optimizer_steps()
         apply_fsdp(model, meshes["fsdp"], units=spec.blocks(model), param_dtype=param_dtype,
                    reduce_dtype=torch.float32, counter=counter)
     else:
-        counter = apply_parallelism(model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype,
-                                    reduce_dtype=torch.float32)
+        apply_parallelism(model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype,
+                          reduce_dtype=torch.float32, counter=counter)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     post_step = build_float8_post_step_hook(model, cfg.float8)
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -111,7 +110,7 @@ def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dty
         optimizer.zero_grad(set_to_none=True)
         if post_step is not None:
             post_step()
-    counter.detach()
+        counter.step()
     return counter.steps[-1]
 
 
@@ -169,7 +168,6 @@ def _linear_stack_all_gather(world_size: int, steps: int, *, fp8_all_gather: boo
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather))
     meshes = ParallelDims(dp_replicate=1, dp_shard=world_size, ep=1, world_size=world_size).build_meshes("cpu")
     counter = CommCounter()
-    counter.attach_to_optimizer_steps()
     apply_fsdp(model, meshes["fsdp"], units=list(model.named_children()), param_dtype=torch.bfloat16,
                reduce_dtype=torch.float32, counter=counter)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -180,7 +178,7 @@ def _linear_stack_all_gather(world_size: int, steps: int, *, fp8_all_gather: boo
         optimizer.zero_grad(set_to_none=True)
         if fp8_all_gather:
             precompute_float8_dynamic_scale_for_fsdp(model)
-    counter.detach()
+        counter.step()
     return _total(counter.steps[-1], "all_gather")
 
 

@@ -17,7 +17,10 @@ same seed makes the initial weights independent of the parallel layout, so FSDP/
 be compared bit for bit with a single process. DTensor's offset-based RNG gives that only on
 CUDA. The cost is one unsharded fp32 copy per rank while starting (about 4 GB for the 1B flavors).
 
-Each component gets only its own config section. The train loop only sees the ``Run``.
+Each component gets only its own config section, the one its registry entry names
+(``registry.section``). Components that must act after every optimizer step return post-step hooks
+from their apply function; the builder collects them in ``Run.post_step_hooks`` and the train loop
+runs them, so there is one such seam. The train loop only sees the ``Run``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
 from spider_titan.optim.lr_schedulers import build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
+from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE, CommCounter
 from spider_titan.parallel.compile import apply_compile
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 from spider_titan.protocol import DTYPES, ModelSpec
@@ -65,7 +69,9 @@ class Run:
     metric_logger: MetricLogger
     total_steps: int
     autocast_dtype: torch.dtype | None
-    # callables run after every optimizer step (e.g. float8 scale precompute, MoE bias update)
+    # The one after-step seam: callables run after every optimizer step, in this order. Converters
+    # (float8 scale precompute), the parallelize component (the comm counter's step) and load
+    # balancers (the MoE bias update) each return theirs from their apply function.
     post_step_hooks: list[Callable[[], None]] = field(default_factory=list)
     dump_folder: Path = Path(".")
 
@@ -123,9 +129,9 @@ def build_model(cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None
     model = spec.build_on_meta(args)
     # 4) converters; their post-step hooks go to ``post_step_hooks`` when a list is given
     for name in resolve_converters(cfg):
-        report = registry.get("converter", name)(model, getattr(cfg, name, None))
+        hooks = registry.get("converter", name)(model, registry.section("converter", name, cfg))
         if post_step_hooks is not None:
-            post_step_hooks.extend(getattr(report, "post_step_hooks", []))
+            post_step_hooks.extend(hooks)
     # 5) MoE backend
     backend_cls = registry.get("moe_backend", cfg.moe.backend)
     n_moe = apply_moe_backend(model, backend_cls())
@@ -207,18 +213,20 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     # 8) materialise + init (see the module docstring for why before parallelize)
     materialize(model, device, cfg.training.seed)
 
-    # 9) parallelize
-    registry.get("parallelize", "fsdp")(
-        model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        dump_folder=dump_folder,
-    )
+    # 9) parallelize; the comm counter (optional) closes its step in the post-step hooks
+    counter = CommCounter(dump_folder / COMM_COUNTS_FILE) if cfg.parallelism.comm_counter else None
+    post_step_hooks.extend(registry.get("parallelize", "fsdp")(
+        model, spec, dims, meshes, registry.section("parallelize", "fsdp", cfg),
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, counter=counter,
+    ))
     # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
     fsdp_on = world_size > 1 and use_fsdp(cfg.parallelism, dims)
     autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
 
     # 10) optimizer, 11) lr scheduler
-    optimizer = registry.get("optimizer", cfg.optimizer.name)(model, cfg.optimizer)
-    post_step_hooks.extend(registry.get("load_balance", cfg.moe.load_balance)(model, cfg.moe))
+    optimizer = registry.get("optimizer", cfg.optimizer.name)(model, registry.section("optimizer", cfg.optimizer.name, cfg))
+    balance = cfg.moe.load_balance
+    post_step_hooks.extend(registry.get("load_balance", balance)(model, registry.section("load_balance", balance, cfg)))
     steps = total_steps(cfg, dims.dp_degree)
     decay = registry.get("lr_scheduler", cfg.lr_scheduler.decay_type)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps, decay)

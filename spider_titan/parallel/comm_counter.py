@@ -12,9 +12,10 @@ Bytes are the logical collective sizes on this rank (what nccl-tests calls "size
 HSDP's all-reduce of the sharded gradient across replicas is FSDP2's plain ``dist.all_reduce``
 and is not seen here; it moves the reduce-scatter's output, 1/shard of its input.
 
-A step ends at every ``optimizer.step()`` (a global optimizer post-hook): :meth:`CommCounter.step`
-closes the step's tally, and with a ``path`` rank 0 appends it as one JSON line (``step`` counts
-the optimizer steps of this process, so a resumed run starts again at 1).
+:meth:`CommCounter.step` closes a step's tally (the parallelize component hands it to the builder as
+a post-step hook, so it runs after every optimizer step), and with a ``path`` rank 0 appends it as
+one JSON line (``step`` counts the optimizer steps of this process, so a resumed run starts again
+at 1).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+COMM_COUNTS_FILE = "comm_counts.jsonl"  # <dump_folder>/comm_counts.jsonl: one line per step, on rank 0
 
 
 class CommCounter:
@@ -36,7 +38,6 @@ class CommCounter:
         self._totals: dict[tuple[str, str], int] = defaultdict(int)
         self._at_last_step: dict[tuple[str, str], int] = {}
         self.steps: list[dict[str, dict[str, int]]] = []
-        self._hook = None
 
     def add(self, kind: str, tag: str, nbytes: int) -> None:
         self._totals[(kind, tag)] += int(nbytes)
@@ -55,16 +56,6 @@ class CommCounter:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": len(self.steps), "rank": 0, **tally}) + "\n")
         return tally
-
-    def attach_to_optimizer_steps(self) -> None:
-        """Call :meth:`step` after every ``optimizer.step()`` in this process, until :meth:`detach`."""
-        self.detach()
-        self._hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self.step())
-
-    def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
 
 def step_total(tally: dict[str, dict[str, int]], kind: str, prefix: str = "") -> int:

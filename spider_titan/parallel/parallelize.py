@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from spider_titan.config.job_config import Parallelism
 from spider_titan.distributed import differentiable_all_reduce_sum
 from spider_titan.moe.layer import MoE
 from spider_titan.parallel.comm_counter import CommCounter
@@ -27,8 +28,6 @@ from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 from spider_titan.protocol import ModelSpec
 
 logger = logging.getLogger("spider_titan")
-
-COMM_COUNTS_FILE = "comm_counts.jsonl"
 
 
 def fsdp_units(spec: ModelSpec, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -84,16 +83,17 @@ def apply_parallelism(
     spec: ModelSpec,
     dims: ParallelDims,
     meshes: dict[str, DeviceMesh] | None,
-    cfg,
+    cfg: Parallelism,
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    dump_folder: Path | None = None,
-) -> CommCounter | None:
+    counter: CommCounter | None = None,
+) -> list[Callable[[], None]]:
     """``cfg`` is the [parallelism] section; the dtypes are the ones chosen for the device.
 
-    Returns the CommCounter when ``parallelism.comm_counter`` is on (it closes a step at every
-    optimizer step and, given a ``dump_folder``, appends it to ``<dump_folder>/comm_counts.jsonl``).
+    With a ``counter`` (``parallelism.comm_counter``; the builder makes it) every collective counts
+    its bytes there; the post-step hooks returned close the counter's step after every optimizer
+    step (the same list converters and load balancers hand the builder).
     """
     fsdp = use_fsdp(cfg, dims)
     if (fsdp or dims.ep_enabled) and meshes is None:
@@ -103,11 +103,7 @@ def apply_parallelism(
         )
     if dims.ep_enabled and not fsdp:
         raise ValueError("parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp_enabled = \"auto\"")
-    counter = None
-    if cfg.comm_counter:
-        counter = CommCounter(Path(dump_folder) / COMM_COUNTS_FILE if dump_folder is not None else None)
-        counter.attach_to_optimizer_steps()
-
+    hooks: list[Callable[[], None]] = [counter.step] if counter is not None else []
     expert_params: list[nn.Parameter] = []
     if dims.ep_enabled:
         n = apply_expert_parallel(model, meshes["ep"], counter=counter)
@@ -116,7 +112,7 @@ def apply_parallelism(
         for owner in _loop_owners(spec):
             _keep_looping_in_step(model.get_submodule(owner) if owner else model, owner or "root")
     if not fsdp:
-        return counter
+        return hooks
     units = fsdp_units(spec, model)
     apply_fsdp(
         model,
@@ -148,7 +144,7 @@ def apply_parallelism(
     if n:
         logger.info("global-batch load balancing: %d MoE layers' balance statistics summed over %d "
                     "data-parallel ranks", n, dims.dp_degree)
-    return counter
+    return hooks
 
 
 def apply_global_batch_statistics(model: nn.Module, group: dist.ProcessGroup) -> int:

@@ -30,6 +30,8 @@ from types import MethodType
 import torch
 from torch import nn
 
+from spider_titan.config.job_config import Float8
+
 logger = logging.getLogger("spider_titan")
 
 FP8_GROUPED_MM_CAPABILITIES = ((9, 0), (10, 0))
@@ -38,13 +40,12 @@ FP8_ALIGN = 16
 
 @dataclass
 class Float8Report:
-    """What the converter did, and the hooks it hands the builder to run after every optimizer step."""
+    """What the converter did (logged at start-up)."""
 
     converted: list[str] = field(default_factory=list)
     skipped_by_filter: list[str] = field(default_factory=list)
     skipped_by_shape: list[str] = field(default_factory=list)
     fp8_experts: int = 0
-    post_step_hooks: list[Callable[[], None]] = field(default_factory=list)
 
 
 def torchao_float8_available() -> tuple[bool, str]:
@@ -93,14 +94,15 @@ def _shape_ok(mod: nn.Linear, pad_inner_dim: bool) -> bool:
     return mod.out_features % 16 == 0 and (pad_inner_dim or mod.in_features % 16 == 0)
 
 
-def apply_float8(model: nn.Module, cfg) -> Float8Report:
-    """Convert ``model`` in place as the module docstring describes; ``cfg`` is the [float8] section."""
+def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
+    """Convert ``model`` in place as the module docstring describes; returns the post-step hooks
+    (the fp8 all-gather's scale precompute, when on) for the builder to run after every optimizer step."""
     ok, why = torchao_float8_available()
     if not ok:
         if cfg.fallback == "error":
             raise ValueError(f"float8: {why}; install torchao or set float8.fallback = \"warn\"")
         logger.warning("float8 disabled: %s; training stays in high precision", why)
-        return Float8Report()
+        return []
     check_fp8_capability()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -142,9 +144,7 @@ def apply_float8(model: nn.Module, cfg) -> Float8Report:
         report.fp8_experts,
     )
     hook = build_float8_post_step_hook(model, cfg)
-    if hook is not None:
-        report.post_step_hooks.append(hook)
-    return report
+    return [hook] if hook is not None else []
 
 
 def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) 
     )
 
 
-def _apply_fp8_experts(model: nn.Module, cfg) -> int:
+def _apply_fp8_experts(model: nn.Module, cfg: Float8) -> int:
     """Swap every MoE layer's grouped GEMM for torchao's fp8 one where the GPU supports it."""
     from spider_titan.moe.layer import MoE
 
@@ -176,7 +176,7 @@ def _apply_fp8_experts(model: nn.Module, cfg) -> int:
     return len(layers)
 
 
-def build_float8_post_step_hook(model: nn.Module, cfg):
+def build_float8_post_step_hook(model: nn.Module, cfg: Float8) -> Callable[[], None] | None:
     """The post-optimizer hook for fp8 all-gather (None when it is not needed)."""
     if not (cfg.enable_fsdp_float8_all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp):
         return None

@@ -71,7 +71,7 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
 
     from spider_titan.components.builder import build_model, materialize
     from spider_titan.config.manager import parse_args
-    from spider_titan.parallel.comm_counter import step_total
+    from spider_titan.parallel.comm_counter import CommCounter, step_total
     from spider_titan.parallel.fsdp import maybe_no_grad_sync
     from spider_titan.parallel.mesh import ParallelDims
     from spider_titan.parallel.parallelize import apply_parallelism
@@ -88,13 +88,13 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
             spec, _, model = build_model(cfg)
             materialize(model, torch.device("cpu"), 0)
             dims = ParallelDims.from_config(cfg.parallelism, world_size)
-            counter = apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
-                                        param_dtype=torch.float32, reduce_dtype=torch.float32)
+            counter = CommCounter()
+            apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
+                              param_dtype=torch.float32, reduce_dtype=torch.float32, counter=counter)
             for i, x in enumerate(micro):
                 with maybe_no_grad_sync(model, is_last_microbatch=not no_sync or i == len(micro) - 1):
                     out_ = model(x[:, :-1], sample_ids=torch.tensor([2 * rank + i]))
                     (lm_loss_sum(out_.logits, x[:, 1:]) / 128 + out_.aux_loss / 2).backward()
-            counter.detach()
             tallies[no_sync] = counter.step()
             grads[no_sync] = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                               for n, p in model.named_parameters() if p.grad is not None}

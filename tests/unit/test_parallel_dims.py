@@ -93,19 +93,25 @@ def test_comm_counter_steps_and_file(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["all_gather"]["core"] == 100
 
 
-def test_comm_counter_closes_a_step_per_optimizer_step():
-    counter = CommCounter()
-    counter.attach_to_optimizer_steps()
-    try:
-        p = nn.Parameter(torch.ones(2))
-        opt = torch.optim.SGD([p], lr=0.1)
-        counter.add("all_gather", "root", 8)
-        p.grad = torch.ones(2)
-        opt.step()
-        opt.step()
-        assert counter.steps == [{"all_gather": {"root": 8}}, {}]
-    finally:
-        counter.detach()
+def test_comm_counter_closes_a_step_per_post_step_hook(tmp_path, in_process):
+    """The parallelize component hands the builder the counter's step as a post-step hook: one tally
+    per optimizer step, written to comm_counts.jsonl."""
+    from spider_titan.components.builder import build_run
+    from spider_titan.config.manager import parse_args
+    from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE
+
+    cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.comm_counter", "true",
+                      "--training.dataset", "mock", "--validation.enable", "false"], env={})
+    run = build_run(cfg, rank=0, world_size=1, dump_folder=tmp_path)
+    counters = [h.__self__ for h in run.post_step_hooks if isinstance(getattr(h, "__self__", None), CommCounter)]
+    assert len(counters) == 1
+    counters[0].add("all_gather", "root", 8)
+    for hook in run.post_step_hooks:
+        hook()
+    for hook in run.post_step_hooks:
+        hook()
+    assert counters[0].steps == [{"all_gather": {"root": 8}}, {}]
+    assert [r["step"] for r in read_comm_counts(tmp_path / COMM_COUNTS_FILE)] == [1, 2]
 
 
 @pytest.fixture
