@@ -97,6 +97,7 @@ from spider_titan.checkpoint.layout import (
     resolve_checkpoint,
     share,
 )
+from spider_titan.config.job_config import Checkpoint as CheckpointConfig
 from spider_titan.errors import WriteFailed, describe_os_error, find_os_error
 from spider_titan.protocol import DTYPES
 
@@ -211,7 +212,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg,
+        cfg: CheckpointConfig,
         *,
         states: dict[str, Stateful],
         identity: ModelIdentity,
@@ -623,7 +624,7 @@ def _read_dcp_metadata(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def build_checkpointer(cfg, run: "Run", train_state: Stateful) -> Checkpointer:
+def build_checkpointer(cfg: CheckpointConfig, run: "Run", train_state: Stateful) -> Checkpointer:
     """The run's Checkpointer over the Statefuls that must survive a restart (``cfg`` = [checkpoint])."""
     states: dict[str, Stateful] = {
         "model": ModelState(run.model),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from spider_titan.config.job_config import Metrics
 from spider_titan.protocol import FLOPS_PER_BYTE
 
 logger = logging.getLogger("spider_titan")
@@ -175,15 +176,15 @@ class JsonlLogger:
         self.file.close()
 
 
-def build_jsonl_logger(cfg, *, log_dir: Path, rank: int) -> JsonlLogger:
+def build_jsonl_logger(cfg: Metrics, *, log_dir: Path, rank: int) -> JsonlLogger:
     return JsonlLogger(log_dir / ("metrics.jsonl" if cfg.rank_0_only else f"metrics_rank{rank}.jsonl"))
 
 
-def build_console_logger(cfg, *, log_dir: Path, rank: int) -> ConsoleLogger:
+def build_console_logger(cfg: Metrics, *, log_dir: Path, rank: int) -> ConsoleLogger:
     return ConsoleLogger()
 
 
-def build_tensorboard_logger(cfg, *, log_dir: Path, rank: int) -> TensorBoardLogger:
+def build_tensorboard_logger(cfg: Metrics, *, log_dir: Path, rank: int) -> TensorBoardLogger:
     return TensorBoardLogger(log_dir / (f"rank_{rank}" if not cfg.rank_0_only else ""))
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from spider_titan.config.job_config import MoE as MoEConfig
 from spider_titan.distributed import all_reduce_sum
 from spider_titan.moe.layer import MoE
 
@@ -67,12 +68,12 @@ class AuxFreeBalancer:
 # a model arg the builder sets from [moe]); the bias needs the counting and the update.
 
 
-def apply_aux_loss_balancing(model: nn.Module, cfg) -> list[Callable[[], None]]:
+def apply_aux_loss_balancing(model: nn.Module, cfg: MoEConfig) -> list[Callable[[], None]]:
     """``aux_loss``: nothing outside the model's loss."""
     return []
 
 
-def apply_aux_free_balancing(model: nn.Module, cfg) -> list[Callable[[], None]]:
+def apply_aux_free_balancing(model: nn.Module, cfg: MoEConfig) -> list[Callable[[], None]]:
     """``aux_free`` / ``both``: the selection bias, updated after every optimizer step."""
     if not any(isinstance(m, MoE) for m in model.modules()):
         return []

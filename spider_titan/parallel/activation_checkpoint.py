@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from spider_titan.config.job_config import ActivationCheckpoint
 from spider_titan.moe.routing_replay import RoutingReplay
 from spider_titan.protocol import ModelSpec
 
@@ -87,7 +88,7 @@ def _wrap(container: nn.Module, name: str, block: nn.Module, **kwargs) -> None:
     container.register_module(name, wrapper)
 
 
-def apply_ac(model: nn.Module, spec: ModelSpec, cfg) -> int:
+def apply_ac(model: nn.Module, spec: ModelSpec, cfg: ActivationCheckpoint) -> int:
     """Wrap blocks as ``cfg`` ([activation_checkpoint]) says; returns how many were wrapped."""
     if cfg.mode == "none":
         return 0

@@ -47,7 +47,7 @@ def fsdp_units(spec: ModelSpec, model: nn.Module) -> list[tuple[str, nn.Module]]
 
 
 def unit_reshard_after_forward(
-    units: list[tuple[str, nn.Module]], owners: list[str], cfg, param_dtype: torch.dtype
+    units: list[tuple[str, nn.Module]], owners: list[str], cfg: Parallelism, param_dtype: torch.dtype
 ) -> dict[str, bool]:
     """``{unit fqn: reshard after forward?}`` for the units that differ from the global policy:
     the loop owners kept gathered by the fsdp.py rule (``default`` policy only), then the
