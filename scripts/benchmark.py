@@ -221,7 +221,7 @@ def pooling_memory(args: argparse.Namespace) -> dict:
     """Spider's segment pooling (downsample + upsample) at T 4096, dim 2048, fp32: bytes alive after
     forward for the scatter/gather implementation vs the former dense (B, S, T) matrices + bmm."""
     from spider_titan.metrics.memory import count_live_activation_bytes
-    from spider_titan.models.spider.flexitokens import downsample, segment_bytes, upsample
+    from spider_titan.models.spider.segmentation import downsample, segment_bytes, upsample
 
     def dense(x, y, seg):  # the pre-2026-11-23 pooling
         S = seg.num_segments

@@ -1,4 +1,4 @@
-"""The interface every MoE backend implements (see ../shared/design/MOE.md).
+"""The interface every MoE backend implements (see docs/moe.md).
 
 One MoE layer sees T local tokens, E experts and top-k routing. The router (plain torch) picks
 ``topk_idx (T, k)`` and gate ``weights (T, k)``. A backend then provides the three steps between

@@ -1,6 +1,6 @@
 """The MoE layer: router, dropless dispatch through a backend, grouped SwiGLU experts, combine.
 
-Pipeline (MOE.md): fp32 router -> softmax scores -> top-k on ``scores + expert_bias`` (selection
+Pipeline (docs/moe.md): fp32 router -> softmax scores -> top-k on ``scores + expert_bias`` (selection
 only) -> gate weights from the unbiased scores, renormalised -> ``backend.build_map`` ->
 ``backend.expand`` -> ``GroupedExperts`` -> ``backend.reduce``. Every token goes to its k experts
 (dropless: capacity-based dropping would let one sequence change another's logits), and nothing

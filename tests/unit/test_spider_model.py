@@ -14,8 +14,8 @@ import torch
 import spider_titan.models.spider.model as spider_model
 from spider_titan.models.spider import SPIDER_FLAVORS, Spider
 from spider_titan.models.spider import engram as engram_mod
-from spider_titan.models.spider.flexitokens import downsample, segment_bytes, upsample
 from spider_titan.models.spider.recurrence import HaltingState
+from spider_titan.models.spider.segmentation import downsample, segment_bytes, upsample
 from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 DEBUG = SPIDER_FLAVORS["debug"]
@@ -129,7 +129,7 @@ def test_causality_check_catches_a_missing_shift(monkeypatch):
 
 
 def reference_boundaries(ids: list[int], decide: list[bool], max_bytes: int) -> list[bool]:
-    """The rules of flexitokens.py, applied byte by byte."""
+    """The rules of segmentation.py, applied byte by byte."""
     out, run, T = [], 0, len(ids)
     for t in range(T):
         run += 1
@@ -454,7 +454,7 @@ def test_bad_args_and_inputs_raise():
 
 def test_keyed_noise_depends_on_the_sample_not_its_row():
     """With sample_ids, a row's training segmentation and logits are the same alone or in a batch."""
-    from spider_titan.models.spider.flexitokens import keyed_uniform
+    from spider_titan.models.spider.segmentation import keyed_uniform
 
     u = keyed_uniform(torch.tensor([3, 3, 4]), 4096)
     assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
@@ -542,7 +542,7 @@ def test_scatter_pooling_equals_dense_reference_with_gradients():
 @pytest.mark.parametrize("kind", ["ratio", "hinge"])
 def test_boundary_objectives(kind):
     """ratio: minimum 1 at F = G = 1/N and pushes p both ways; hinge: only penalises too many."""
-    from spider_titan.models.spider.flexitokens import boundary_loss
+    from spider_titan.models.spider.segmentation import boundary_loss
 
     ids = torch.randint(0, 256, (1, 400), generator=torch.Generator().manual_seed(0))
     grads = []

@@ -28,9 +28,8 @@ def test_1b_parameter_count():
         print(f"  {k:>13}: {v / 1e6:9.3f} M")
     assert abs(parts["total"] - 996e6) <= 0.01 * 996e6
     assert parts["total"] == sum(p.numel() for p in model.parameters())
-    # MODEL.md's breakdown: 4 dense blocks 193 M, 6 core blocks 706 M, two engrams 75 M, LoRA 5 M, rest 14 M
-    # "rest" is 18 M, not MODEL.md's 14 M: the H-Net cosine boundary predictor (the default since
-    # 2026-11-23) has two dim x dim projections where the FlexiTokens MLP had one.
+    # docs/model.md's breakdown: 4 dense blocks 193 M, 6 core blocks 706 M, two engrams 75 M, LoRA 5 M,
+    # rest 18 M (the H-Net cosine boundary predictor has two dim x dim projections)
     for key, want in (("dense blocks", 193e6), ("core blocks", 706e6), ("engram", 75e6), ("lora", 5e6), ("rest", 18e6)):
         assert abs(parts[key] - want) < 1e6, key
 

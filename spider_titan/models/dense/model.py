@@ -1,7 +1,7 @@
 """The ``dense`` baseline: a byte-level Llama-style decoder, the yardstick Spider is compared with.
 
 Pre-RMSNorm blocks of grouped-query causal attention (RoPE, SDPA) and a SwiGLU MLP over the
-272-id byte vocabulary of MODEL.md; untied lm_head. Built on the meta device, then
+272-id byte vocabulary of docs/model.md; untied lm_head. Built on the meta device, then
 ``init_weights()`` (trunc-normal 0.02, residual outputs scaled by depth as in GPT-2).
 """
 

@@ -1,4 +1,4 @@
-"""Spider: byte-level recurrent-depth MoE transformer (MODEL.md). Registered as model ``spider``."""
+"""Spider: byte-level recurrent-depth MoE transformer (docs/model.md). Registered as model ``spider``."""
 
 from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.flops import spider_flops_breakdown, spider_flops_per_byte

@@ -1,4 +1,4 @@
-"""Hyper-parameters of the Spider model and its flavors (MODEL.md, "Flavors").
+"""Hyper-parameters of the Spider model and its flavors (docs/model.md, "Flavors").
 
 Every field can be overridden from the ``[model]`` table of a TOML file or with
 ``--model.<field> value``; ``validate()`` lists every inconsistency at once so the config
@@ -66,13 +66,12 @@ class SpiderArgs:
     """How the core's loops are combined. ``none``: every segment runs all loops and the core
     output is the last loop's state (fixed depth; ``mean_loops`` = loops run). ``act``: Graves'
     adaptive halting (halting-weighted sum of the loop states, ponder loss, early exit at eval).
-    Measured on the built-in corpus (debug): ``act`` collapsed to ~1 loop within 130 steps while
-    training still paid for every loop, so ``none`` is the default (recurrence.py)."""
+    ``act`` collapsed to ~1 loop in training, so ``none`` is the default (docs/experiments.md)."""
     loop_lora: bool = True
     """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their
     weights exactly; an ablation)."""
 
-    # ---- segmentation (flexitokens.py)
+    # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = 4.0
     """Compression the boundary loss aims at (bytes per segment)."""
     max_segment_bytes: int = 16
@@ -90,14 +89,13 @@ class SpiderArgs:
     differently in training and eval)."""
     boundary_standardize: bool = True
     """Standardise the predictor's score per row with running (causal) mean and variance and
-    compare it with a learned threshold (flexitokens.BoundaryPredictor): holds the boundary rate
+    compare it with a learned threshold (segmentation.BoundaryPredictor): holds the boundary rate
     against drifts of the score. False: the raw score's p >= 0.5 (H-Net's rule as published)."""
     boundary_ste: bool = False
     """True: the LM loss also trains the predictor (and, through it, the prelude) by the
-    straight-through segment index (flexitokens.py). False: the predictor reads the prelude
-    detached and only the boundary loss trains it. Measured (debug, 300 steps): the same val bpb
-    (3.022 without vs 3.024 with) and a steadier rate (training batches 3.4-4.6 bytes/segment
-    without, 4.3-7.9 with), so off by default."""
+    straight-through segment index (segmentation.py). False: the predictor reads the prelude
+    detached and only the boundary loss trains it. Off by default: at debug scale it bought no
+    measurable bpb and made the boundary rate noisier (docs/experiments.md)."""
     boundary_temperature: float = 0.5
     """Temperature of the relaxed-Bernoulli (Gumbel-sigmoid) boundary samples (``boundary_noise = "gumbel"``)."""
 
@@ -172,7 +170,7 @@ class SpiderArgs:
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config.
     "debug": SpiderArgs(),
-    # By MODEL.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
+    # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
     # = 993.8 M (test_spider_params_flops pins it to 996 M +- 1 %).
     "1B": SpiderArgs(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.spider.flexitokens import Segmentation
+from spider_titan.models.spider.segmentation import Segmentation
 
 _P = 2**31 - 1
 _BASE = 1_000_003

@@ -1,10 +1,10 @@
-"""Spider: a byte-level recurrent-depth MoE transformer (the contract is MODEL.md).
+"""Spider: a byte-level recurrent-depth MoE transformer (the contract is docs/model.md).
 
 ``forward(input_ids (B, T), labels (B, T) | None, n_loops | None) -> SpiderOutput``:
 
 1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
 2. ``boundary_predictor`` + forced boundaries -> segments, by one rule in training and eval
-   (flexitokens.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead)
+   (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead)
 3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on
    ``(B, S, dim)`` with a segment mask; Engram bucket ids hashed from the bytes (engram.py)
 4. ``up_proj`` on the core output, causal ``upsample`` (byte t reads the segment that ended
@@ -36,7 +36,7 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
   residual blocks a byte's state passes through in training;
 * ``lm_head`` trunc-normal ``dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
   bias (``logit(1/target_bytes_per_segment)``) and the halting bias (recurrence.py);
-* zero: LoRA B matrices, ``loop_embedding``, Engram tables (MODEL.md); LoRA A N(0, 1/in_features);
+* zero: LoRA B matrices, ``loop_embedding``, Engram tables (docs/model.md); LoRA A N(0, 1/in_features);
   ``decay_lambda`` 0 (a = 1/2); cosine boundary projections: identity (H-Net); boundary
   threshold: Phi^-1(1 - 1/target).
 """
@@ -52,15 +52,15 @@ from spider_titan.models.common import PreNormBlock, default_init_std, depth_sca
 from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import engram_bucket_ids
-from spider_titan.models.spider.flexitokens import (
+from spider_titan.models.spider.flops import spider_flops_per_byte
+from spider_titan.models.spider.recurrence import RecurrentCore
+from spider_titan.models.spider.segmentation import (
     BoundaryPredictor,
     boundary_loss,
     downsample,
     segment_bytes,
     upsample,
 )
-from spider_titan.models.spider.flops import spider_flops_per_byte
-from spider_titan.models.spider.recurrence import RecurrentCore
 from spider_titan.protocol import FLOPS_PER_BYTE, ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
@@ -212,7 +212,7 @@ class Spider(nn.Module):
 
 
 def parameter_breakdown(model: Spider) -> dict[str, int]:
-    """Parameter counts by part (MODEL.md's breakdown), plus ``total``."""
+    """Parameter counts by part (docs/model.md's breakdown), plus ``total``."""
     parts = {"dense blocks": 0, "core blocks": 0, "engram": 0, "lora": 0, "rest": 0}
     for name, p in model.named_parameters():
         if ".engram." in name:

@@ -30,18 +30,8 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h
    are still computed until the whole batch halts (their output is frozen); that cost is counted
    in ``aux["flops_per_byte"]`` (loops_run), never hidden.
 
-Why fixed depth by default (measured 2026-11-23, debug, built-in corpus): with ACT the ponder
-cost drove ``mean_loops`` to ~1.05 within ~130 steps (the halting unit learned to stop after one
-loop) while training still paid for every loop; the second loop was then nearly unused.
-Measured (debug, 300 steps, first 24 val batches, val bpb at eval n_loops 1 / 2 / 4): old ACT
-2.969 / 2.969 / 2.969 (mean_loops 1.05: the loops did nothing); fixed depth 2 with learned
-segments 3.029 / 3.024 / 3.026, with fixed segments 2.835 / 2.833 / 2.833: two loops beat one,
-but by little, and more loops than trained do not help (Geiping et al.'s sampled loop counts
-would be the next thing to try for test-time depth). At 1e13 training FLOPs (docs/benchmarks.md,
-whole val split): 2.069 / 2.059 / 2.063 at eval n_loops 1 / 2 / 4, mean_loops 2.00; but a model
-trained with one loop reaches 2.013 at 9.6e12 FLOPs: at the debug size the second loop does not
-pay for its FLOPs. Fixed depth 2 stays the default because the recurrent core is the design under
-study; ``n_loops = 1`` is the cheaper choice at this size.
+Why fixed depth by default: with ACT the ponder cost drove the halting unit to stop after about
+one loop while training still paid for every loop (docs/experiments.md, "Recurrent depth").
 
 Reported: ``mean_loops`` = mean halting loop N over real segments (the ACT depth the segments
 used); ``loops_run`` = loops actually computed (``n_loops`` in training, fewer at eval after an

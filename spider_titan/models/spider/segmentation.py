@@ -48,31 +48,9 @@ Conventions
   host sync); rows with fewer segments are padded, and ``seg_valid``/``seg_real`` mark which
   segments exist / hold real bytes.
 
-Measured (2026-11-23, debug flavor, built-in corpus, 300 steps of batch 8 x 256, AdamW 3e-3,
-2 loops, target 4 bytes/segment; val bpb and eval bytes/segment on the first 24 val batches;
-"train" is the range of single-batch bytes/segment over steps 100-300):
-
-============================================================  =======  ==========  ===========
-predictor / rule / objective                                  val bpb  eval b/seg  train b/seg
-============================================================  =======  ==========  ===========
-mlp, Gumbel in training, hinge (+ ACT): the old default         2.969        15.7  13-16 (cap)
-mlp, p >= 0.5, ratio                                            (bang-bang 3 <-> 16, stopped)
-cosine, p >= 0.5, ratio, STE                                    3.377         9.8      3.0-8.6
-  same, boundary_coeff 10                                       3.119         2.5      2.5-5.3
-cosine, standardised, ratio, STE                                3.024         3.8      4.3-7.9
-cosine, standardised, ratio, no STE (default)                   3.022         3.7      3.4-4.6
-  same, max_segment_bytes 8                                     3.015         3.9      4.3-5.1
-fixed 4-byte segments (``boundary_predictor = "fixed"``)        2.833         4.0          4.0
-============================================================  =======  ==========  ===========
-
-So: the hinge collapses; the plain hard rule with the ratio loss holds the rate only on average
-(AdamW moves the score's offset faster than the loss corrects it, and a hard threshold turns that
-into swings of the rate); the causal standardisation holds it; the LM's straight-through gradient
-buys nothing measurable at this scale and makes the rate noisier (``boundary_ste``). Learned
-segments still lose to fixed 4-byte segments by ~0.19 bpb here, and by 0.17 bpb at 1e13 FLOPs
-(docs/benchmarks.md, "Quality at equal training FLOPs"). Tried and not adopted: deciding "a
-segment ends at t-1" from the dissimilarity at t (H-Net's "a chunk starts at t", also causal
-because the upsample shifts by a whole segment): 2.997 vs 3.022, a small gain, not the gap.
+Why these defaults (cosine predictor, causal standardisation, ratio loss, no STE): the measurements
+are in docs/experiments.md ("Segmentation"); in short, the hinge collapses to the length cap, the
+plain hard rule with the ratio loss swings, and the standardisation holds the rate at the target.
 """
 
 from __future__ import annotations
