@@ -27,8 +27,9 @@ from spider_titan.checkpoint import build_checkpointer
 from spider_titan.checkpoint.export import check_export_target
 from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.components.builder import Run, build_run
+from spider_titan.config.help import help_text, to_toml
 from spider_titan.config.job_config import JobConfig
-from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
+from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.data.shards import DataError
 from spider_titan.distributed import all_reduce_sum, clip_grad_norm_
 from spider_titan.errors import WriteFailed, describe_failure

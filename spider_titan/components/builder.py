@@ -102,25 +102,6 @@ def total_steps(cfg: JobConfig, dp_degree: int) -> int:
     return t.steps
 
 
-def resolve_converters(cfg: JobConfig) -> list[str]:
-    """``model.converters`` plus what ``training.precision`` implies (the seed's --precision)."""
-    from spider_titan.quantization.float8 import fast_fp8_hardware, torchao_float8_available
-
-    converters = list(cfg.model.converters)
-    precision = cfg.training.precision
-    if precision == "fp8" and "float8" not in converters:
-        converters.append("float8")
-    elif precision == "auto" and "float8" not in converters:
-        hw_ok, hw = fast_fp8_hardware()
-        ao_ok, ao = torchao_float8_available()
-        if hw_ok and ao_ok:
-            converters.append("float8")
-            logger.info("precision auto: fp8 (%s, torchao available)", hw)
-        else:
-            logger.info("precision auto: bf16 (%s)", hw if not hw_ok else ao)
-    return converters
-
-
 def build_model(cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None = None) -> tuple[ModelSpec, Any, nn.Module]:
     """Steps 3-7: the model on the meta device, converted, with its MoE backend, AC and compile."""
     spec = registry.get("model", cfg.model.name)
@@ -128,7 +109,7 @@ def build_model(cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None
     # 3) build on meta
     model = spec.build_on_meta(args)
     # 4) converters; their post-step hooks go to ``post_step_hooks`` when a list is given
-    for name in resolve_converters(cfg):
+    for name in cfg.model.converters:
         hooks = registry.get("converter", name)(model, registry.section("converter", name, cfg))
         if post_step_hooks is not None:
             post_step_hooks.extend(hooks)
@@ -215,12 +196,13 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
 
     # 9) parallelize; the comm counter (optional) closes its step in the post-step hooks
     counter = CommCounter(dump_folder / COMM_COUNTS_FILE) if cfg.parallelism.comm_counter else None
-    post_step_hooks.extend(registry.get("parallelize", "fsdp")(
-        model, spec, dims, meshes, registry.section("parallelize", "fsdp", cfg),
+    parallelize = cfg.parallelism.name
+    post_step_hooks.extend(registry.get("parallelize", parallelize)(
+        model, spec, dims, meshes, registry.section("parallelize", parallelize, cfg),
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, counter=counter,
     ))
     # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
-    fsdp_on = world_size > 1 and use_fsdp(cfg.parallelism, dims)
+    fsdp_on = world_size > 1 and parallelize == "fsdp" and use_fsdp(cfg.parallelism, dims)
     autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
 
     # 10) optimizer, 11) lr scheduler

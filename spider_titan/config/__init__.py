@@ -1,4 +1,2 @@
-from spider_titan.config.job_config import JobConfig
-from spider_titan.config.manager import ConfigError, parse_args
-
-__all__ = ["ConfigError", "JobConfig", "parse_args"]
+"""The run's configuration: job_config.py (one typed dataclass per TOML table), parse.py, validate.py,
+help.py, and manager.py (parse_args, the entry)."""

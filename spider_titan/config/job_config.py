@@ -94,7 +94,9 @@ class Model:
     """Size preset of the model (``debug``, ``1B``). Any field of the model's args can also be set in
     this section (e.g. ``n_loops = 4``) and overrides the flavor's value."""
     converters: list[str] = field(default_factory=list)
-    """Module converters applied after building on meta, in order (e.g. ``["float8"]``)."""
+    """Module converters applied after building on meta, in order. ``["float8"]`` is the one switch
+    for fp8 training (the seed's --precision fp8); where fp8 cannot run, ``float8.fallback`` says
+    whether to stay in bf16 with one log line (``warn``, the seed's ``auto``) or stop (``error``)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """(Filled from the extra keys of [model]; not set directly.)"""
 
@@ -136,9 +138,6 @@ class Training:
     CPU bf16 matmuls are slower than fp32 and gloo reductions are checked in fp32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """dtype of gradient reduce-scatter under FSDP."""
-    precision: Literal["auto", "fp8", "bf16"] = "bf16"
-    """The seed trainer's --precision: ``fp8`` adds the float8 converter, ``auto`` adds it only where
-    torchao and the GPU support it, ``bf16`` leaves the converters list as configured."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before FSDP)."""
     num_workers: int = ranged(0, low=0)
@@ -198,8 +197,12 @@ class Parallelism:
     gathered from its forward to its backward, saving one all-gather per micro-batch, when its
     unsharded parameters take at most this fraction of the device's memory (GPU, or host RAM on
     CPU); 0 = reshard it after forward like the other units."""
-    fsdp_enabled: Literal["auto", "always", "never"] = "auto"
-    """``auto`` = wrap with FSDP2 when the data-parallel world is > 1."""
+    name: str = "fsdp"
+    """The parallelize component applied to the materialised model (registry kind ``parallelize``):
+    ``fsdp`` applies expert parallel, then FSDP2 / HSDP, as the keys below say."""
+    fsdp: Literal["auto", "always", "never"] = "auto"
+    """Wrap with FSDP2: ``auto`` = when the data-parallel world is > 1; ``always``; ``never`` (one
+    process only: with several ranks nothing would average their gradients)."""
     comm_counter: bool = False
     """Count the bytes every collective moves (FSDP all-gather / reduce-scatter per unit, expert
     all-to-all per MoE layer) and write one JSON line per step to <dump_folder>/comm_counts.jsonl."""

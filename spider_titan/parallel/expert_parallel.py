@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from spider_titan.moe.layer import GroupedExperts, MoE
 from spider_titan.moe.routing_replay import replay_or_record
 from spider_titan.parallel.comm_counter import CommCounter
+from spider_titan.parallel.mesh import experts_split_problem
 
 
 class _AllToAll(torch.autograd.Function):
@@ -163,11 +164,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, counter: Com
     layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, MoE)]
     for fqn, moe in layers:
         experts = moe.experts
-        if experts.n_experts % ep:
-            raise ValueError(
-                f"parallelism.expert_parallel_degree: {fqn} has {experts.n_experts} experts, "
-                f"not divisible by {ep}; choose a degree that divides the expert count"
-            )
+        problem = experts_split_problem(experts.n_experts, ep)
+        if problem:
+            raise ValueError(f"{fqn}: {problem}")
         for name in ("w1", "w3", "w2"):
             full = getattr(experts, name)
             local = full.detach().chunk(ep, dim=0)[rank].clone()

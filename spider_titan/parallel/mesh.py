@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from spider_titan.config.job_config import Parallelism
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -29,7 +31,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, *, check: bool = True) -> "ParallelDims":
+    def from_config(cls, cfg: Parallelism, world_size: int, *, check: bool = True) -> ParallelDims:
         """Resolve -1 degrees against ``world_size``; with ``check``, raise ValueError on any problem."""
         rep, shard, ep = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree, cfg.expert_parallel_degree
         if shard == -1 and rep >= 1 and world_size % rep == 0:
@@ -121,6 +123,37 @@ class ParallelDims:
         }
 
 
-def use_fsdp(cfg, dims: ParallelDims) -> bool:
-    """Whether FSDP2 wraps the model (``cfg`` is [parallelism]): ``auto`` = more than one dp rank."""
-    return cfg.fsdp_enabled == "always" or (cfg.fsdp_enabled == "auto" and dims.fsdp_enabled)
+def use_fsdp(cfg: Parallelism, dims: ParallelDims) -> bool:
+    """Whether FSDP2 wraps the model: ``parallelism.fsdp = "auto"`` means more than one dp rank."""
+    return cfg.fsdp == "always" or (cfg.fsdp == "auto" and dims.fsdp_enabled)
+
+
+# The rules between the parallel layout and the model, written once: the config validator reports
+# them at start-up and the parallel code raises them for callers that skip the config.
+
+
+def experts_split_problem(n_experts: int, ep: int) -> str | None:
+    """Expert parallel splits the experts evenly over ``ep`` ranks."""
+    if ep > 1 and n_experts % ep:
+        return (
+            f"parallelism.expert_parallel_degree: n_experts({n_experts}) = experts_per_rank * "
+            f"expert_parallel_degree({ep}) has no whole-number experts_per_rank; choose a degree that divides "
+            "the expert count"
+        )
+    return None
+
+
+def fsdp_problems(cfg: Parallelism, dims: ParallelDims) -> list[str]:
+    """The shipped ``fsdp`` parallelize component averages gradients over the data-parallel ranks
+    through FSDP, and expert parallel lives inside it: with several ranks it must be on. (Another
+    parallelize component averages gradients its own way.)"""
+    if cfg.name != "fsdp" or cfg.fsdp != "never":
+        return []
+    if dims.ep > 1:
+        return ["parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp = \"auto\""]
+    if dims.world_size > 1:
+        return [
+            f"parallelism.fsdp: 'never' with WORLD_SIZE={dims.world_size} leaves the ranks' gradients "
+            "unsynchronised; set it to \"auto\" or run one process"
+        ]
+    return []

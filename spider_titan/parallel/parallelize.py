@@ -24,7 +24,7 @@ from spider_titan.moe.layer import MoE
 from spider_titan.parallel.comm_counter import CommCounter
 from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from spider_titan.parallel.fsdp import apply_forward_prefetch, apply_fsdp, device_memory_bytes, keep_gathered
-from spider_titan.parallel.mesh import ParallelDims, use_fsdp
+from spider_titan.parallel.mesh import ParallelDims, fsdp_problems, use_fsdp
 from spider_titan.protocol import ModelSpec
 
 logger = logging.getLogger("spider_titan")
@@ -99,10 +99,11 @@ def apply_parallelism(
     if (fsdp or dims.ep_enabled) and meshes is None:
         raise ValueError(
             "parallelism: FSDP / expert parallel need a process group; launch with torchrun "
-            "(WORLD_SIZE > 1) or set parallelism.fsdp_enabled = \"auto\""
+            "(WORLD_SIZE > 1) or set parallelism.fsdp = \"auto\""
         )
-    if dims.ep_enabled and not fsdp:
-        raise ValueError("parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp_enabled = \"auto\"")
+    problems = fsdp_problems(cfg, dims)
+    if problems:
+        raise ValueError("\n".join(problems))
     hooks: list[Callable[[], None]] = [counter.step] if counter is not None else []
     expert_params: list[nn.Parameter] = []
     if dims.ep_enabled:

@@ -1,7 +1,7 @@
 """The float8 converter: torchao Float8Linear for linears, torchao's fp8 grouped GEMM for experts.
 
 Applied by the builder right after the model is built on the meta device (``model.converters``
-contains ``"float8"``, or ``training.precision`` asks for fp8):
+contains ``"float8"``, the one switch for fp8 training):
 
 - Linears whose FQN contains none of ``float8.filter_fqns`` and whose shapes fp8 matmuls accept
   become ``torchao.float8.Float8Linear`` (recipe ``tensorwise`` or ``rowwise``). ``_scaled_mm``
@@ -97,9 +97,9 @@ def check_fp8_capability() -> None:
     cap = torch.cuda.get_device_capability()
     if cap < (8, 9):
         raise ValueError(
-            f"training.precision = \"fp8\" (float8 converter): {torch.cuda.get_device_name()} has CUDA capability "
-            f"{cap[0]}.{cap[1]}, fp8 needs 8.9 or newer (Ada, Hopper, Blackwell); set training.precision = \"bf16\" "
-            "(and drop \"float8\" from model.converters)"
+            f"model.converters = [\"float8\"]: {torch.cuda.get_device_name()} has CUDA capability "
+            f"{cap[0]}.{cap[1]}, fp8 needs 8.9 or newer (Ada, Hopper, Blackwell); remove \"float8\" from "
+            "model.converters to train in bf16"
         )
 
 

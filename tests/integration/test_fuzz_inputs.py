@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from spider_titan.components import registry
-from spider_titan.config.manager import sections
+from spider_titan.config.parse import sections
 from spider_titan.data.shards import HEADER_MAGIC, HEADER_VERSION, HEADER_WORDS, write_shard
 from spider_titan.data.tokenizer import encode
 from spider_titan.train import main

@@ -17,7 +17,7 @@ BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.datas
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--moe.backend", "triton"], ["--training.precision", "fp8"], ["--training.compile", "true"]],
+    [[], ["--moe.backend", "triton"], ["--model.converters", "float8"], ["--training.compile", "true"]],
     ids=["bf16", "triton", "fp8", "compile"],
 )
 def test_cuda_training_runs_and_learns(extra, tmp_path):

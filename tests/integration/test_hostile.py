@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from spider_titan.checkpoint.export import read_checkpoint_tensors
-from spider_titan.config.manager import sections
+from spider_titan.config.parse import sections
 from spider_titan.data.shards import write_shard
 from spider_titan.train import main
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID

@@ -35,7 +35,7 @@ def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]
 
 def test_fp8_tracks_high_precision_over_30_steps(tmp_path):
     ref = train_losses([], 30, tmp_path / "hp")
-    fp8 = train_losses(["--training.precision", "fp8"], 30, tmp_path / "fp8")
+    fp8 = train_losses(["--model.converters", "float8"], 30, tmp_path / "fp8")
     assert ref[-1] < 0.8 * ref[0]  # it learned something
     assert fp8[-1] == pytest.approx(ref[-1], rel=0.02)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import tomli
 
+from spider_titan.config.help import help_text, to_toml
 from spider_titan.config.job_config import JobConfig, Range
-from spider_titan.config.manager import ConfigError, help_text, parse_args, to_toml
+from spider_titan.config.manager import ConfigError, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
@@ -128,13 +129,13 @@ def test_help_lists_every_key_with_its_doc():
 
 def test_data_parallel_without_fsdp_is_refused():
     with pytest.raises(ConfigError, match="unsynchronised"):
-        parse_args(["--parallelism.fsdp_enabled", "never"], env={"WORLD_SIZE": "2"})
-    assert parse_args(["--parallelism.fsdp_enabled", "never"], env={"WORLD_SIZE": "1"})
+        parse_args(["--parallelism.fsdp", "never"], env={"WORLD_SIZE": "2"})
+    assert parse_args(["--parallelism.fsdp", "never"], env={"WORLD_SIZE": "1"})
 
 
 def test_help_lists_registered_names_for_registry_keys():
     from spider_titan.components import registry
-    from spider_titan.config.manager import REGISTRY_KEYS
+    from spider_titan.config.validate import REGISTRY_KEYS
 
     lines = help_text().splitlines()
     for dotted, kind in REGISTRY_KEYS.items():
@@ -186,7 +187,7 @@ def test_help_after_a_config_file_shows_its_resolved_values():
 
 def test_print_config_round_trips_and_builds_nothing(tmp_path, capsys, monkeypatch):
     from spider_titan import train
-    from spider_titan.config.manager import to_dict
+    from spider_titan.config.help import to_dict
 
     def no_trainer(cfg):
         raise AssertionError("--print_config must not build a Trainer")
@@ -284,7 +285,8 @@ def test_bad_values_are_refused_with_their_key(args, key, capsys, monkeypatch):
 def test_every_number_field_is_ranged_or_says_why_not():
     """The audit kept honest: a new int/float field declares its Range (and gets a BAD_VALUES row)
     or is listed in UNBOUNDED with the reason."""
-    from spider_titan.config.manager import field_range, sections
+    from spider_titan.config.parse import sections
+    from spider_titan.config.validate import field_range
 
     tested = {key for _, key in BAD_VALUES}
     for name, cls in sections().items():

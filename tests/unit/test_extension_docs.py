@@ -65,7 +65,7 @@ def test_every_example_has_a_file_and_a_registration():
 
 def test_model_example_trains(examples, tmp_path, in_process):
     register("model")
-    assert main(["--job.config_file", "train_configs/debug_model.toml", "--model.name", "bigram",
+    assert main(["--job.config_file", "train_configs/debug_dense.toml", "--model.name", "bigram",
                  "--model.n_layers", "3", "--job.dump_folder", str(tmp_path / "run"), *SMALL]) == 0
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(list(losses.values()))))

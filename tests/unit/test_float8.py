@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from spider_titan.components.builder import build_model, resolve_converters
-from spider_titan.config.manager import parse_args
+from spider_titan.components.builder import build_model
+from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.quantization import float8
 
 
@@ -64,11 +64,18 @@ def test_missing_torchao_falls_back_or_errors(monkeypatch):
         build_model(cfg)
 
 
-def test_precision_switch():
-    assert resolve_converters(parse_args(["--training.precision", "fp8"], env={})) == ["float8"]
-    assert resolve_converters(parse_args(["--training.precision", "bf16"], env={})) == []
-    auto = resolve_converters(parse_args(["--training.precision", "auto"], env={}))
-    assert auto == (["float8"] if float8.fast_fp8_hardware()[0] else [])
+def test_float8_is_chosen_by_one_list():
+    """model.converters is the one switch; the old second key is refused with its replacement."""
+    _, _, model = build_model(parse_args(["--model.converters", "float8"], env={}))
+    assert any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    _, _, model = build_model(parse_args([], env={}))
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    renamed = {("--training.precision", "fp8"): "model.converters = [\"float8\"]",
+               ("--parallelism.fsdp_enabled", "auto"): "renamed to parallelism.fsdp"}
+    for old, replacement in renamed.items():
+        with pytest.raises(ConfigError) as e:
+            parse_args(list(old), env={})
+        assert len(e.value.problems) == 1 and replacement in e.value.problems[0], e.value.problems
 
 
 def test_fp8_experts_only_where_supported():
@@ -150,7 +157,7 @@ def test_fp8_capability_check(monkeypatch, cap, fails):
         float8.check_fp8_capability()
     msg = str(e.value)
     assert "\n" not in msg and "NVIDIA A100-SXM4-80GB" in msg and f"capability {cap[0]}.{cap[1]}" in msg
-    assert "needs 8.9" in msg and 'training.precision = "bf16"' in msg
+    assert "needs 8.9" in msg and 'remove "float8" from model.converters' in msg
 
 
 def test_fp8_on_an_a100_stops_the_trainer_with_one_line(monkeypatch, capsys, in_process, tmp_path):
@@ -159,7 +166,7 @@ def test_fp8_on_an_a100_stops_the_trainer_with_one_line(monkeypatch, capsys, in_
 
     _pretend_gpu(monkeypatch, (8, 0))
     dump = tmp_path / "run"
-    code = main(["--training.precision", "fp8", "--training.device", "cpu", "--training.steps", "1",
+    code = main(["--model.converters", "float8", "--training.device", "cpu", "--training.steps", "1",
                  "--job.dump_folder", str(dump)])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err

@@ -29,9 +29,9 @@ def test_degrees_resolve_and_derive():
     assert d.dp_degree == d.gradient_divide_factor == 8
     assert d.fsdp_enabled and d.hsdp_enabled and d.ep_enabled
     assert not dims(1).fsdp_enabled
-    assert use_fsdp(SimpleNamespace(fsdp_enabled="auto"), dims(2))
-    assert not use_fsdp(SimpleNamespace(fsdp_enabled="never"), dims(2))
-    assert use_fsdp(SimpleNamespace(fsdp_enabled="always"), dims(1))
+    assert use_fsdp(SimpleNamespace(fsdp="auto"), dims(2))
+    assert not use_fsdp(SimpleNamespace(fsdp="never"), dims(2))
+    assert use_fsdp(SimpleNamespace(fsdp="always"), dims(1))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,142 @@
+"""Checking a parsed JobConfig: every rule a small function returning its problems, one line each
+naming the key, the value and the fix. :func:`validate` runs them all, so a user sees every
+problem at once. Rules that the parallel code also needs (degrees, expert split, FSDP) live once in
+``parallel/mesh.py`` and are called from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from spider_titan.components import registry
+from spider_titan.config.job_config import JobConfig, Range
+from spider_titan.config.parse import sections, show, table_keys
+from spider_titan.parallel.mesh import ParallelDims, experts_split_problem, fsdp_problems, use_fsdp
+
+# Config keys whose value names registered components (a list names several), with their
+# registry kind: validate() checks them and --help lists the names they accept.
+REGISTRY_KEYS: dict[str, str] = {
+    "model.name": "model",
+    "optimizer.name": "optimizer",
+    "lr_scheduler.decay_type": "lr_scheduler",
+    "training.dataset": "dataset",
+    "moe.backend": "moe_backend",
+    "model.converters": "converter",
+    "parallelism.name": "parallelize",
+}
+
+def field_range(f: dataclasses.Field) -> Range:
+    """The values a config field accepts (job_config.ranged); unbounded when it declares none."""
+    return f.metadata.get("range", Range())
+
+
+def range_problems(cfg: JobConfig) -> list[str]:
+    """Every number field outside its declared :class:`Range`, or a float that is not finite."""
+    problems = []
+    for name, cls in sections().items():
+        hints = table_keys(name, cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in hints:
+                continue
+            tp, value = hints[f.name], getattr(getattr(cfg, name), f.name)
+            if tp in (int, float) and not field_range(f).allows(value):
+                problems.append(f"{name}.{f.name} = {show(value)} is not allowed; use {field_range(f).describe(tp)}")
+    return problems
+
+
+def registry_problems(cfg: JobConfig) -> list[str]:
+    """Every key that names a component names a registered one."""
+    problems = []
+    for dotted, kind in REGISTRY_KEYS.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        for name in value if isinstance(value, list) else [value]:
+            if name not in registry.names(kind):
+                problems.append(f"{dotted}: {name!r} is not a registered {kind}; choose one of {registry.names(kind)}")
+    return problems
+
+
+def model_args_and_problems(cfg: JobConfig) -> tuple[Any, list[str]]:
+    """The model's args (flavor + [model] overrides), or None, and their problems."""
+    if cfg.model.name not in registry.names("model"):
+        return None, []  # reported by registry_problems
+    spec = registry.get("model", cfg.model.name)
+    if cfg.model.flavor not in spec.flavors:
+        return None, [
+            f"model.flavor: {cfg.model.flavor!r} is not a flavor of {cfg.model.name}; choose one of {list(spec.flavors)}"
+        ]
+    args = spec.build_args(cfg.model.flavor, cfg.model.overrides)
+    check = getattr(args, "validate", None)
+    return args, [f"model.{p}" for p in check()] if check is not None else []
+
+
+def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
+    problems = []
+    t = cfg.training
+    max_seq_len = getattr(model_args, "max_seq_len", None)
+    if isinstance(max_seq_len, int) and t.seq_len > max_seq_len:
+        source = ("set in [model]" if "max_seq_len" in cfg.model.overrides
+                  else f"of {cfg.model.name} flavor {cfg.model.flavor!r}")
+        problems.append(
+            f"training.seq_len = {t.seq_len} > model.max_seq_len = {max_seq_len} ({source}), the longest input the "
+            f"model accepts; lower training.seq_len or set model.max_seq_len = {t.seq_len}"
+        )
+    if t.steps < 1 and t.target_tokens <= 0:
+        problems.append(f"training.steps: {t.steps} must be >= 1 (or set training.target_tokens > 0)")
+    if t.dataset in ("bytes", "text") and not t.dataset_path:
+        problems.append(f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder")
+    if cfg.checkpoint.initial_load_model_only and not cfg.checkpoint.initial_load_path:
+        problems.append("checkpoint.initial_load_model_only: needs checkpoint.initial_load_path")
+    return problems
+
+
+def activation_checkpoint_problems(cfg: JobConfig) -> list[str]:
+    ac = cfg.activation_checkpoint
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+        return [f"activation_checkpoint.selective_ac_option: {option!r} must be 'op' or a positive integer"]
+    return []
+
+
+def parallelism_problems(cfg: JobConfig, model_args: Any, world_size: int) -> list[str]:
+    """The degrees against the world size, the experts against the EP degree, FSDP where it is
+    needed: the rules of parallel/mesh.py, which the parallel code applies too."""
+    par = cfg.parallelism
+    dims = ParallelDims.from_config(par, world_size, check=False)
+    problems = dims.problems()
+    n_experts = getattr(model_args, "n_experts", None)
+    if n_experts is not None:
+        problem = experts_split_problem(n_experts, par.expert_parallel_degree)
+        if problem:
+            problems.append(problem)
+    problems.extend(fsdp_problems(par, dims))
+    return problems
+
+
+def float8_problems(cfg: JobConfig, world_size: int) -> list[str]:
+    if not cfg.float8.enable_fsdp_float8_all_gather:
+        return []
+    if "float8" not in cfg.model.converters:
+        return ["float8.enable_fsdp_float8_all_gather: needs the float8 converter (model.converters = [\"float8\"])"]
+    par = cfg.parallelism
+    dims = ParallelDims.from_config(par, world_size, check=False)
+    if not (world_size > 1 and use_fsdp(par, dims)):
+        return [
+            f"float8.enable_fsdp_float8_all_gather: needs FSDP, which is off (WORLD_SIZE={world_size}, "
+            f"parallelism.fsdp = {par.fsdp!r}); launch with torchrun on 2+ ranks or set it to false"
+        ]
+    return []
+
+
+def validate(cfg: JobConfig, *, env: Any) -> list[str]:
+    """Every rule above; returns every problem found (``env`` gives WORLD_SIZE)."""
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    model_args, problems = model_args_and_problems(cfg)
+    problems = registry_problems(cfg) + problems + range_problems(cfg)
+    problems += training_problems(cfg, model_args)
+    problems += activation_checkpoint_problems(cfg)
+    problems += parallelism_problems(cfg, model_args, world_size)
+    problems += float8_problems(cfg, world_size)
+    return problems
+
