@@ -24,7 +24,7 @@ TORCH_PIP_ARGS ?=
 VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.spider_titan_installed
 
-.PHONY: help install train sample plot test
+.PHONY: help install train sample plot test lint
 
 help:
 	@echo "make train    train CONFIG ($(CONFIG)) with the overrides in ARGS,"
@@ -32,6 +32,7 @@ help:
 	@echo "make sample   sample from the export of CONFIG/ARGS's run (PROMPT, SAMPLE_ARGS)"
 	@echo "make plot     draw CONFIG/ARGS's run's metrics.jsonl into <run folder>/metrics.png"
 	@echo "make test     run the tests (python -m pytest -q PYTEST_ARGS), as CI does"
+	@echo "make lint     ruff check and ruff format --check (CI runs both; ruff format . fixes the format)"
 	@echo "make install  create VENV and install torch and the project (train and test do it first)"
 	@echo "make help     this list"
 	@echo ""
@@ -80,3 +81,8 @@ plot: $(STAMP)
 # The venv's bin first on PATH: tests and scripts that start `python` get the venv's.
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# Lint and format check, as CI runs them (the pinned ruff of the test extra, pyproject.toml [tool.ruff]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

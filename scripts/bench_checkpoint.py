@@ -62,8 +62,11 @@ def probe_bandwidth(folder: Path) -> dict[str, float]:
         dcp.load(target, checkpoint_id=str(folder), no_dist=True)
         read_s = time.perf_counter() - t0
     shutil.rmtree(folder)
-    return {"mb": round(nbytes / 1e6, 1), "write_mb_s": round(nbytes / 1e6 / write_s, 1),
-            "read_mb_s": round(nbytes / 1e6 / read_s, 1)}
+    return {
+        "mb": round(nbytes / 1e6, 1),
+        "write_mb_s": round(nbytes / 1e6 / write_s, 1),
+        "read_mb_s": round(nbytes / 1e6 / read_s, 1),
+    }
 
 
 def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
@@ -89,8 +92,9 @@ def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         ckpt.save(step)
         save_s.append(time.perf_counter() - t0)
-        loader = Checkpointer(dataclasses.replace(cfg, load_step=step), states=states, identity=identity,
-                              dump_folder=root)
+        loader = Checkpointer(
+            dataclasses.replace(cfg, load_step=step), states=states, identity=identity, dump_folder=root
+        )
         t0 = time.perf_counter()
         loader.load()
         load_s.append(time.perf_counter() - t0)

@@ -71,8 +71,16 @@ def _worker(rank: int, world_size: int, store: str, scenarios: list[str], steps:
         dist.destroy_process_group()
 
 
-def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dtype: torch.dtype,
-                 per_block_units: bool = False, accum: int = 1, no_sync: bool = False) -> dict[str, dict[str, int]]:
+def _spider_step(
+    world_size: int,
+    steps: int,
+    overrides: list[str],
+    *,
+    param_dtype: torch.dtype,
+    per_block_units: bool = False,
+    accum: int = 1,
+    no_sync: bool = False,
+) -> dict[str, dict[str, int]]:
     """Train the Spider debug flavor ``steps`` steps under FSDP (+ overrides), ``accum`` micro-batches
     a step (gradient sync on the last only with ``no_sync``); the last step's tally."""
     from spider_titan.components.builder import build_model, materialize
@@ -84,19 +92,35 @@ def _spider_step(world_size: int, steps: int, overrides: list[str], *, param_dty
     from spider_titan.parallel.parallelize import apply_parallelism
     from spider_titan.quantization.float8 import build_float8_post_step_hook
 
-    cfg = parse_args(["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true",
-                      *overrides], env={"WORLD_SIZE": str(world_size)})
+    cfg = parse_args(
+        ["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true", *overrides],
+        env={"WORLD_SIZE": str(world_size)},
+    )
     spec, _, model = build_model(cfg)
     materialize(model, torch.device("cpu"), cfg.training.seed)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     meshes = dims.build_meshes("cpu")
     counter = CommCounter()
     if per_block_units:
-        apply_fsdp(model, meshes["fsdp"], units=spec.blocks(model), param_dtype=param_dtype,
-                   reduce_dtype=torch.float32, counter=counter)
+        apply_fsdp(
+            model,
+            meshes["fsdp"],
+            units=spec.blocks(model),
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            counter=counter,
+        )
     else:
-        apply_parallelism(model, spec, dims, meshes, cfg.parallelism, param_dtype=param_dtype,
-                          reduce_dtype=torch.float32, counter=counter)
+        apply_parallelism(
+            model,
+            spec,
+            dims,
+            meshes,
+            cfg.parallelism,
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            counter=counter,
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     post_step = build_float8_post_step_hook(model, cfg.float8)
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -124,8 +148,9 @@ def _n_loops(world_size: int, steps: int) -> dict:
     out = {}
     for n in (2, 4):
         loop_unit = _spider_step(world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32)
-        per_block = _spider_step(world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32,
-                                 per_block_units=True)
+        per_block = _spider_step(
+            world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32, per_block_units=True
+        )
         out[f"n_loops_{n}"] = {
             "core_all_gather": _total(loop_unit, "all_gather", "core"),
             "core_reduce_scatter": _total(loop_unit, "reduce_scatter", "core"),
@@ -140,8 +165,9 @@ def _n_loops(world_size: int, steps: int) -> dict:
 def _float8(world_size: int, steps: int) -> dict:
     base = ["--model.converters", "float8"]
     bf16 = _spider_step(world_size, steps, base, param_dtype=torch.bfloat16)["all_gather"]
-    fp8 = _spider_step(world_size, steps, base + ["--float8.enable_fsdp_float8_all_gather", "true"],
-                       param_dtype=torch.bfloat16)["all_gather"]
+    fp8 = _spider_step(
+        world_size, steps, base + ["--float8.enable_fsdp_float8_all_gather", "true"], param_dtype=torch.bfloat16
+    )["all_gather"]
     return {
         "bf16_all_gather": bf16,
         "fp8_all_gather": fp8,
@@ -150,8 +176,10 @@ def _float8(world_size: int, steps: int) -> dict:
 
 
 def _float8_linears(world_size: int, steps: int) -> dict:
-    out = {name: _linear_stack_all_gather(world_size, steps, fp8_all_gather=on) for name, on in
-           (("bf16_all_gather", False), ("fp8_all_gather", True))}
+    out = {
+        name: _linear_stack_all_gather(world_size, steps, fp8_all_gather=on)
+        for name, on in (("bf16_all_gather", False), ("fp8_all_gather", True))
+    }
     return {**out, "ratio": round(out["fp8_all_gather"] / out["bf16_all_gather"], 4)}
 
 
@@ -168,8 +196,14 @@ def _linear_stack_all_gather(world_size: int, steps: int, *, fp8_all_gather: boo
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather))
     meshes = ParallelDims(dp_replicate=1, dp_shard=world_size, ep=1, world_size=world_size).build_meshes("cpu")
     counter = CommCounter()
-    apply_fsdp(model, meshes["fsdp"], units=list(model.named_children()), param_dtype=torch.bfloat16,
-               reduce_dtype=torch.float32, counter=counter)
+    apply_fsdp(
+        model,
+        meshes["fsdp"],
+        units=list(model.named_children()),
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        counter=counter,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
@@ -183,8 +217,9 @@ def _linear_stack_all_gather(world_size: int, steps: int, *, fp8_all_gather: boo
 
 
 def _expert_parallel(world_size: int, steps: int) -> dict:
-    tally = _spider_step(world_size, steps, ["--parallelism.expert_parallel_degree", str(world_size)],
-                         param_dtype=torch.float32)
+    tally = _spider_step(
+        world_size, steps, ["--parallelism.expert_parallel_degree", str(world_size)], param_dtype=torch.float32
+    )
     return {
         "expert_parallel_degree": world_size,
         "all_to_all": _total(tally, "all_to_all"),
@@ -195,8 +230,13 @@ def _expert_parallel(world_size: int, steps: int) -> dict:
 
 
 def _grad_accum(world_size: int, steps: int) -> dict:
-    before = _spider_step(world_size, steps, ["--parallelism.fsdp_reshard_after_forward_units", "core=true"],
-                          param_dtype=torch.float32, accum=2)
+    before = _spider_step(
+        world_size,
+        steps,
+        ["--parallelism.fsdp_reshard_after_forward_units", "core=true"],
+        param_dtype=torch.float32,
+        accum=2,
+    )
     after = _spider_step(world_size, steps, [], param_dtype=torch.float32, accum=2, no_sync=True)
     out = {}
     for name, tally in (("before", before), ("after", after)):
@@ -212,7 +252,10 @@ def _grad_accum(world_size: int, steps: int) -> dict:
 
 
 _RUNNERS = {
-    "n_loops": _n_loops, "float8": _float8, "float8_linears": _float8_linears, "expert_parallel": _expert_parallel,
+    "n_loops": _n_loops,
+    "float8": _float8,
+    "float8_linears": _float8_linears,
+    "expert_parallel": _expert_parallel,
     "grad_accum": _grad_accum,
 }
 

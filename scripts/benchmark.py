@@ -20,8 +20,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,9 +58,22 @@ def run_training(config: str, overrides: list[str], args: argparse.Namespace) ->
     from spider_titan.metrics.logger import memory_gib
     from spider_titan.train import Trainer
 
-    argv = ["--job.config_file", config, "--job.dump_folder", args.dump_folder, "--metrics.enable_tensorboard", "false",
-            "--metrics.enable_jsonl", "false", "--validation.enable", "false", "--checkpoint.enable", "false",
-            "--training.steps", str(args.warmup + args.steps)]
+    argv = [
+        "--job.config_file",
+        config,
+        "--job.dump_folder",
+        args.dump_folder,
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.enable_jsonl",
+        "false",
+        "--validation.enable",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--training.steps",
+        str(args.warmup + args.steps),
+    ]
     argv += overrides
     for item in args.set or []:
         key, _, value = item.partition("=")
@@ -93,8 +106,9 @@ def run_training(config: str, overrides: list[str], args: argparse.Namespace) ->
             "step_time_s": {"median": round(median, 4), "min": round(min(times), 4), "max": round(max(times), 4)},
             # CUDA: this scenario's peak allocation. CPU: the process's peak resident set so far,
             # which includes the scenarios that ran before this one in the same process.
-            ("peak_memory_gib" if run.device.type == "cuda" else "process_peak_rss_gib_so_far"):
-                round(memory_gib(run.device), 3),
+            ("peak_memory_gib" if run.device.type == "cuda" else "process_peak_rss_gib_so_far"): round(
+                memory_gib(run.device), 3
+            ),
         }
     finally:
         trainer.close()
@@ -126,8 +140,11 @@ def moe_layer(args: argparse.Namespace) -> dict:
     a = SPIDER_FLAVORS["1B"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backends = args.moe_backends.split(",") if args.moe_backends else (
-        ["python_loop", "torch", "triton"] if device.type == "cuda" else ["python_loop", "torch"])
+    backends = (
+        args.moe_backends.split(",")
+        if args.moe_backends
+        else (["python_loop", "torch", "triton"] if device.type == "cuda" else ["python_loop", "torch"])
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         layer = MoE(a.dim, a.n_experts, a.top_k, a.moe_inter_dim)
@@ -136,15 +153,22 @@ def moe_layer(args: argparse.Namespace) -> dict:
     layer.to(dtype)
     # matmul FLOPs per token: k experts x 3 projections x 2*dim*inter, plus the router
     fwd_flops_per_token = a.top_k * 3 * 2 * a.dim * a.moe_inter_dim + 2 * a.dim * a.n_experts
-    out = {"shapes": f"dim {a.dim}, {a.n_experts} experts, top-{a.top_k}, inter {a.moe_inter_dim}, {dtype}".replace("torch.", "")}
+    out = {
+        "shapes": f"dim {a.dim}, {a.n_experts} experts, top-{a.top_k}, inter {a.moe_inter_dim}, {dtype}".replace(
+            "torch.", ""
+        )
+    }
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, a.dim, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn_like(x)
         row = {}
         # the seed keeps one module per expert: give the loop per-expert leaf weights
-        per_expert = [[w.detach().clone().requires_grad_() for w in getattr(layer.experts, n)] for n in ("w1", "w3", "w2")]
+        per_expert = [
+            [w.detach().clone().requires_grad_() for w in getattr(layer.experts, n)] for n in ("w1", "w3", "w2")
+        ]
         for name in backends:
             if name == "python_loop":
+
                 def forward():
                     _, idx, w = layer.route(x)
                     return python_loop_moe(x, idx, w, *per_expert)
@@ -152,7 +176,7 @@ def moe_layer(args: argparse.Namespace) -> dict:
                 from spider_titan.components import registry
 
                 layer.backend = registry.get("moe_backend", name)()
-                forward = (lambda: layer(x)[0])
+                forward = lambda: layer(x)[0]
 
             def fwd_only():
                 with torch.no_grad():
@@ -164,14 +188,18 @@ def moe_layer(args: argparse.Namespace) -> dict:
             res = {}
             for label, fn, mult in (("fwd", fwd_only, 1), ("fwd_bwd", fwd_bwd, 3)):
                 t = statistics.median(_timed(fn, repeats=args.steps, warmup=args.warmup, device=device))
-                res[label] = {"ms": round(1e3 * t, 2), "tokens_per_s": round(tokens / t, 1),
-                              "tflops": round(mult * fwd_flops_per_token * tokens / t / 1e12, 4)}
+                res[label] = {
+                    "ms": round(1e3 * t, 2),
+                    "tokens_per_s": round(tokens / t, 1),
+                    "tflops": round(mult * fwd_flops_per_token * tokens / t / 1e12, 4),
+                }
             row[name] = res
         base = row.get("torch")
         if base:
             row["speedup_vs_python_loop"] = {
                 n: {k: round(row["python_loop"][k]["ms"] / row[n][k]["ms"], 3) for k in ("fwd", "fwd_bwd")}
-                for n in backends if n != "python_loop" and "python_loop" in row
+                for n in backends
+                if n != "python_loop" and "python_loop" in row
             }
         out[f"tokens_{tokens}"] = row
     return out
@@ -200,6 +228,7 @@ def attention(args: argparse.Namespace) -> dict:
         v = torch.randn(1, a.n_heads, seq, vd, device=device, dtype=dtype, requires_grad=True)
         row = {}
         for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "priority"):
+
             def run():
                 if name == "priority":
                     y = causal_sdpa(q, k, v)
@@ -207,6 +236,7 @@ def attention(args: argparse.Namespace) -> dict:
                     with sdpa_kernel([getattr(SDPBackend, name)]):
                         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 y.sum().backward()
+
             try:
                 t = statistics.median(_timed(run, repeats=args.steps, warmup=args.warmup, device=device))
                 row[name.lower()] = {"ms_fwd_bwd": round(1e3 * t, 3)}
@@ -265,9 +295,21 @@ def ac_memory(args: argparse.Namespace) -> dict:
     for n_loops in (2, 4, 8):
         row = {}
         for mode, option in modes:
-            cfg = parse_args(["--model.name", "spider", "--model.n_loops", str(n_loops), "--model.max_loops", "8",
-                              "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option],
-                             env={})
+            cfg = parse_args(
+                [
+                    "--model.name",
+                    "spider",
+                    "--model.n_loops",
+                    str(n_loops),
+                    "--model.max_loops",
+                    "8",
+                    "--activation_checkpoint.mode",
+                    mode,
+                    "--activation_checkpoint.selective_ac_option",
+                    option,
+                ],
+                env={},
+            )
             _, _, model = build_model(cfg)
             materialize(model, torch.device("cpu"), 0)
             torch.manual_seed(1)
@@ -285,14 +327,20 @@ def ac_memory(args: argparse.Namespace) -> dict:
     block_row = {}
     for mode, option in [("none", "op"), ("full", "op"), ("selective", "op")]:
         model = SPIDER_SPEC.build_on_meta(SPIDER_FLAVORS["1B"])
-        apply_ac(model, SPIDER_SPEC, parse_args(["--activation_checkpoint.mode", mode,
-                                                 "--activation_checkpoint.selective_ac_option", option], env={}).activation_checkpoint)
+        apply_ac(
+            model,
+            SPIDER_SPEC,
+            parse_args(
+                ["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option], env={}
+            ).activation_checkpoint,
+        )
         block = model.core.layers[0]
         block.to_empty(device="cpu")
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
         block_row[mode if mode != "selective" else "selective_op"] = mib(
-            _core_block_live_bytes(block, SPIDER_FLAVORS["1B"], seq=2048))
+            _core_block_live_bytes(block, SPIDER_FLAVORS["1B"], seq=2048)
+        )
     out["1B_core_block_S2048"] = block_row
     return out
 
@@ -339,7 +387,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", help="override for training scenarios, e.g. training.seq_len=1024")
     parser.add_argument("--dump_folder", default="./outputs/benchmark")
     parser.add_argument("--markdown", help="append the results to this markdown file")
-    parser.add_argument("--tokens", default="512", help="moe_layer: comma-separated token counts; attention: sequence lengths")
+    parser.add_argument(
+        "--tokens", default="512", help="moe_layer: comma-separated token counts; attention: sequence lengths"
+    )
     parser.add_argument("--moe_backends", default="", help="moe_layer: comma-separated (python_loop,torch,triton)")
     args = parser.parse_args()
 
@@ -356,7 +406,9 @@ def main() -> int:
     if len(args.scenarios) == 2:
         a, b = (results[n] for n in args.scenarios)
         if "tokens_per_s" in a and "tokens_per_s" in b:
-            report["ratio_tokens_per_s"] = {f"{args.scenarios[0]}/{args.scenarios[1]}": round(a["tokens_per_s"] / b["tokens_per_s"], 3)}
+            report["ratio_tokens_per_s"] = {
+                f"{args.scenarios[0]}/{args.scenarios[1]}": round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+            }
     text = json.dumps(report, indent=2)
     print(text)
     if args.markdown:

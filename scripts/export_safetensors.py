@@ -30,14 +30,25 @@ from spider_titan.protocol import DTYPES  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a step-<N> checkpoint folder, or a folder of them (then the newest complete one)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="export folder: new, empty, or a previous export (replaced whole)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="dtype of the exported tensors (default float32)")
-    p.add_argument("--max_shard_size", type=int, default=DEFAULT_MAX_SHARD_BYTES, metavar="BYTES",
-                   help=f"largest safetensors file before sharding (default {DEFAULT_MAX_SHARD_BYTES})")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a step-<N> checkpoint folder, or a folder of them (then the newest complete one)",
+    )
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="export folder: new, empty, or a previous export (replaced whole)"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the exported tensors (default float32)"
+    )
+    p.add_argument(
+        "--max_shard_size",
+        type=int,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="BYTES",
+        help=f"largest safetensors file before sharding (default {DEFAULT_MAX_SHARD_BYTES})",
+    )
     return p.parse_args(argv)
 
 
@@ -45,8 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the flags and write the export; a user error exits with status 1 and one line."""
     args = parse_args(argv)
     try:
-        out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype=DTYPES[args.dtype],
-                                max_shard_bytes=args.max_shard_size, origin="--out")
+        out = export_checkpoint(
+            Path(args.checkpoint),
+            Path(args.out),
+            dtype=DTYPES[args.dtype],
+            max_shard_bytes=args.max_shard_size,
+            origin="--out",
+        )
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"export_safetensors: error: {e}")
     except Exception as e:  # a full or read-only --out: torch and safetensors word a short write their own way

@@ -39,8 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely bytes; 0 = all (default 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device (default: cuda if available)")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: cuda if available)"
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
     return p.parse_args(argv)
 
@@ -67,8 +68,13 @@ def main(argv: list[str] | None = None) -> None:
         prompt = read_prompt(args)
         model, config = load_model(Path(args.model), device=device, dtype=DTYPES[args.dtype])
         out = generate(
-            model, prompt, max_new_bytes=args.max_new_bytes, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed, context_len=config["model"]["args"].get("max_seq_len"),
+            model,
+            prompt,
+            max_new_bytes=args.max_new_bytes,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            context_len=config["model"]["args"].get("max_seq_len"),
         )
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"generate: error: {e}")

@@ -111,8 +111,10 @@ def x_values(rows: list[dict], x_key: str, run: str) -> list[float]:
     import numpy as np
 
     steps, xs = zip(*known)
-    return [float(r[x_key]) if isinstance(r.get(x_key), (int, float)) else float(np.interp(r["step"], steps, xs))
-            for r in rows]
+    return [
+        float(r[x_key]) if isinstance(r.get(x_key), (int, float)) else float(np.interp(r["step"], steps, xs))
+        for r in rows
+    ]
 
 
 def run_labels(runs: list[str]) -> list[str]:
@@ -142,8 +144,7 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
 
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ("-", "--", ":", "-.")
     labels = run_labels(runs)
@@ -161,8 +162,16 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
                 else:  # one colour per run, one line style per series
                     name = label if len(panel_keys) == 1 else f"{label}: {key}"
                     color, style = colors[i % len(colors)], styles[j % len(styles)]
-                ax.plot(px, py, style, color=color, label=name,
-                        marker="o" if len(points) <= 12 else None, markersize=3, linewidth=1.4)
+                ax.plot(
+                    px,
+                    py,
+                    style,
+                    color=color,
+                    label=name,
+                    marker="o" if len(points) <= 12 else None,
+                    markersize=3,
+                    linewidth=1.4,
+                )
         ax.set_title(title)
         ax.set_xlabel(x_label)
         if log_y:
@@ -170,7 +179,7 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
         ax.grid(True, alpha=0.3)
         if len(runs) > 1 or len(panel_keys) > 1:
             ax.legend(fontsize="small")
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(", ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs")
     out = Path(out)
@@ -184,8 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dump folders (or metrics.jsonl files)")
-    p.add_argument("--x", choices=tuple(X_AXES), default="step",
-                   help="x axis: step, tokens (tokens_seen), flops (train_flops) or time (elapsed_s) (default step)")
+    p.add_argument(
+        "--x",
+        choices=tuple(X_AXES),
+        default="step",
+        help="x axis: step, tokens (tokens_seen), flops (train_flops) or time (elapsed_s) (default step)",
+    )
     p.add_argument("--out", metavar="FILE.png", help="the picture to write (default: <first RUN_DIR>/metrics.png)")
     return p.parse_args(argv)
 

@@ -31,31 +31,58 @@ from spider_titan.data.ingest import DEFAULT_GLOBS, default_workers, prepare_sha
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="files, folders and - (standard input), read in the order given")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="files, folders and - (standard input), read in the order given",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (train/, val/, metadata.json)")
-    p.add_argument("--glob", nargs="+", default=list(DEFAULT_GLOBS), metavar="PATTERN",
-                   help="file-name patterns picked up inside folders, case-insensitive; a pattern with a / "
-                        f"matches the path relative to the folder (default: {' '.join(DEFAULT_GLOBS)})")
-    p.add_argument("--text_key", default="text",
-                   help="the jsonl field / Parquet column holding the text (default text)")
-    p.add_argument("--stdin_jsonl", action="store_true",
-                   help="read standard input as jsonl, one document per line; without it all of stdin "
-                        "is one document")
-    p.add_argument("--val_fraction", type=float, default=0.01,
-                   help="fraction of documents kept for val, in [0, 1); with >= 2 documents val gets at "
-                        "least one (default 0.01)")
+    p.add_argument(
+        "--glob",
+        nargs="+",
+        default=list(DEFAULT_GLOBS),
+        metavar="PATTERN",
+        help="file-name patterns picked up inside folders, case-insensitive; a pattern with a / "
+        f"matches the path relative to the folder (default: {' '.join(DEFAULT_GLOBS)})",
+    )
+    p.add_argument(
+        "--text_key", default="text", help="the jsonl field / Parquet column holding the text (default text)"
+    )
+    p.add_argument(
+        "--stdin_jsonl",
+        action="store_true",
+        help="read standard input as jsonl, one document per line; without it all of stdin is one document",
+    )
+    p.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.01,
+        help="fraction of documents kept for val, in [0, 1); with >= 2 documents val gets at least one (default 0.01)",
+    )
     p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
-    p.add_argument("--format", choices=("header", "raw"), default="header",
-                   help="header: 256-word llm.c header + uint16 tokens; raw: the seed's headerless uint16 "
-                        "tokens (default header)")
+    p.add_argument(
+        "--format",
+        choices=("header", "raw"),
+        default="header",
+        help="header: 256-word llm.c header + uint16 tokens; raw: the seed's headerless uint16 tokens (default header)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split (default 0)")
-    p.add_argument("--workers", type=int, default=default_workers(),
-                   help="processes that parse jsonl blocks and Parquet row groups (plain files are framed by the "
-                        "main process); the shards do not depend on it (default "
-                        f"{default_workers()}: more pay off only with cores to spare)")
-    p.add_argument("--progress_s", type=float, default=10.0,
-                   help="log a progress line (docs, MB, MB/s, ETA) at most every this many seconds (default 10)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="processes that parse jsonl blocks and Parquet row groups (plain files are framed by the "
+        "main process); the shards do not depend on it (default "
+        f"{default_workers()}: more pay off only with cores to spare)",
+    )
+    p.add_argument(
+        "--progress_s",
+        type=float,
+        default=10.0,
+        help="log a progress line (docs, MB, MB/s, ETA) at most every this many seconds (default 10)",
+    )
     return p.parse_args(argv)
 
 
@@ -66,9 +93,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         prepare_shards(
-            args.input, args.out, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-            fmt=args.format, seed=args.seed, globs=args.glob, text_key=args.text_key,
-            stdin_jsonl=args.stdin_jsonl, workers=args.workers, progress_s=args.progress_s,
+            args.input,
+            args.out,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+            fmt=args.format,
+            seed=args.seed,
+            globs=args.glob,
+            text_key=args.text_key,
+            stdin_jsonl=args.stdin_jsonl,
+            workers=args.workers,
+            progress_s=args.progress_s,
         )
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
         sys.exit(f"prepare_data: error: {e}")

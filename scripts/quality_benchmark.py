@@ -48,27 +48,68 @@ class Run:
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
     Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
-    Run("spider_fixed_segments", SPIDER_CONFIG, ("--model.boundary_predictor", "fixed"),
-        "segments of exactly target_bytes_per_segment bytes (no learned boundaries)"),
+    Run(
+        "spider_fixed_segments",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "fixed"),
+        "segments of exactly target_bytes_per_segment bytes (no learned boundaries)",
+    ),
     Run("spider_no_engram", SPIDER_CONFIG, ("--model.engram_layers", "[]"), "no Engram memory"),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
-    Run("spider_old", SPIDER_CONFIG,
-        ("--model.boundary_predictor", "mlp", "--model.boundary_loss", "hinge", "--model.boundary_noise", "gumbel",
-         "--model.boundary_standardize", "false", "--model.boundary_ste", "true", "--model.halting", "act"),
-        "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT"),
+    Run(
+        "spider_old",
+        SPIDER_CONFIG,
+        (
+            "--model.boundary_predictor",
+            "mlp",
+            "--model.boundary_loss",
+            "hinge",
+            "--model.boundary_noise",
+            "gumbel",
+            "--model.boundary_standardize",
+            "false",
+            "--model.boundary_ste",
+            "true",
+            "--model.halting",
+            "act",
+        ),
+        "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT",
+    ),
 ]
 
 
 def train_cmd(run: Run, dump: Path, steps: int, extra: list[str], *, val_freq: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "spider_titan.train", "--job.config_file", run.config, "--job.dump_folder", str(dump),
-           "--training.steps", str(steps), "--metrics.enable_tensorboard", "false",
-           "--checkpoint.export_at_end", "false", *run.overrides, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spider_titan.train",
+        "--job.config_file",
+        run.config,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.export_at_end",
+        "false",
+        *run.overrides,
+        *extra,
+    ]
     if val_freq is None:
         cmd += ["--validation.enable", "false", "--metrics.log_freq", "1"]
     else:
-        cmd += ["--validation.enable", "true", "--validation.freq", str(val_freq), "--validation.steps", "-1",
-                "--metrics.log_freq", str(max(1, min(25, val_freq)))]
+        cmd += [
+            "--validation.enable",
+            "true",
+            "--validation.freq",
+            str(val_freq),
+            "--validation.steps",
+            "-1",
+            "--metrics.log_freq",
+            str(max(1, min(25, val_freq))),
+        ]
     return cmd
 
 
@@ -131,7 +172,9 @@ def summarise(result: dict) -> dict:
         "flops": last_v.get("train_flops", last_t.get("train_flops", float("nan"))),
         "wall_s": last_v.get("elapsed_s", last_t.get("elapsed_s", float("nan"))),
         "val_bpb": last_v.get("val_bpb", float("nan")),
-        "val_bpb_loops": {int(k[len("val_bpb_loops"):]): v for k, v in last_v.items() if k.startswith("val_bpb_loops")},
+        "val_bpb_loops": {
+            int(k[len("val_bpb_loops") :]): v for k, v in last_v.items() if k.startswith("val_bpb_loops")
+        },
         "train_bps": last_t.get("bytes_per_segment"),
         "eval_bps": last_v.get("val_bytes_per_segment"),
         "train_loops": last_t.get("mean_loops"),
@@ -149,15 +192,26 @@ def fmt(v, spec: str = ".3f") -> str:
 
 def table(summaries: list[dict]) -> str:
     loops = sorted({n for s in summaries for n in s["val_bpb_loops"]})
-    head = (["run", "steps", "train FLOPs", "wall s", "val bpb"] + [f"bpb @{n} loops" for n in loops]
-            + ["bytes/seg train", "bytes/seg eval", "mean loops train", "mean loops eval", "expert load min/max", "what"])
+    head = (
+        ["run", "steps", "train FLOPs", "wall s", "val bpb"]
+        + [f"bpb @{n} loops" for n in loops]
+        + ["bytes/seg train", "bytes/seg eval", "mean loops train", "mean loops eval", "expert load min/max", "what"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         load = "–" if s["load_min"] is None else f"{s['load_min']:.3f} / {s['load_max']:.3f}"
-        cells = ([s["name"], str(s["steps"]), fmt(s["flops"], ".3e"), fmt(s["wall_s"], ".0f"), fmt(s["val_bpb"])]
-                 + [fmt(s["val_bpb_loops"].get(n)) for n in loops]
-                 + [fmt(s["train_bps"], ".2f"), fmt(s["eval_bps"], ".2f"), fmt(s["train_loops"], ".2f"),
-                    fmt(s["eval_loops"], ".2f"), load, s["what"]])
+        cells = (
+            [s["name"], str(s["steps"]), fmt(s["flops"], ".3e"), fmt(s["wall_s"], ".0f"), fmt(s["val_bpb"])]
+            + [fmt(s["val_bpb_loops"].get(n)) for n in loops]
+            + [
+                fmt(s["train_bps"], ".2f"),
+                fmt(s["eval_bps"], ".2f"),
+                fmt(s["train_loops"], ".2f"),
+                fmt(s["eval_loops"], ".2f"),
+                load,
+                s["what"],
+            ]
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -186,7 +240,9 @@ def plot(summaries: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--flops", type=float, default=1e13, help="training FLOPs budget of spider and dense")
     p.add_argument("--ablation-flops", type=float, default=None, help="budget of the ablations (default: --flops)")
     p.add_argument("--data", default=None, help="a bytes folder (--training.dataset bytes); default: built-in corpus")
@@ -194,9 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", default=",".join(r.name for r in RUNS), help="comma-separated run names")
     p.add_argument("--val-points", type=int, default=4, help="validations per run (whole val split each)")
     p.add_argument("--probe-steps", type=int, default=60, help="steps of the FLOPs probe (the second half is measured)")
-    p.add_argument("--margin", type=float, default=1.10,
-                   help="Spider runs plan this many times the probed steps (measured: a 60-step probe "
-                        "overestimated the debug run's FLOPs per step by ~7 %%)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=1.10,
+        help="Spider runs plan this many times the probed steps (measured: a 60-step probe "
+        "overestimated the debug run's FLOPs per step by ~7 %%)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
     p.add_argument("--plot-to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
@@ -212,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {list(by_name)}")
     runs = [by_name[n] for n in args.runs.split(",")]
-    extra = ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
+    extra = (
+        ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

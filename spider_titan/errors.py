@@ -16,14 +16,17 @@ from pathlib import Path
 
 # errno -> (what happened, what to do; {setting} is the flag or key that names the folder)
 _OS_ERRORS = {
-    errno.ENOSPC: ("no space left on device (ENOSPC)",
-                   "free space on that disk or set {setting} to a folder on another"),
+    errno.ENOSPC: (
+        "no space left on device (ENOSPC)",
+        "free space on that disk or set {setting} to a folder on another",
+    ),
     errno.EDQUOT: ("disk quota exceeded (EDQUOT)", "free space in your quota or set {setting} to a folder outside it"),
     errno.EROFS: ("read-only file system (EROFS)", "set {setting} to a folder on a writable disk"),
-    errno.EACCES: ("permission denied (EACCES)",
-                   "make it writable for this user or set {setting} to a folder you own"),
-    errno.EPERM: ("operation not permitted (EPERM)",
-                  "make it writable for this user or set {setting} to a folder you own"),
+    errno.EACCES: ("permission denied (EACCES)", "make it writable for this user or set {setting} to a folder you own"),
+    errno.EPERM: (
+        "operation not permitted (EPERM)",
+        "make it writable for this user or set {setting} to a folder you own",
+    ),
 }
 # A disk with less than this left after a failed write is taken to be full (the write used up the rest).
 FULL_DISK_BYTES = 1 << 20

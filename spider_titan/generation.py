@@ -61,8 +61,9 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"--device {name!r}: not a device name; use cpu or cuda") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available here (no GPU or a CPU build of torch); "
-                             "use --device cpu")
+            raise ValueError(
+                f"--device {name}: CUDA is not available here (no GPU or a CPU build of torch); use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s); use cuda:0")
     elif device.type != "cpu":
@@ -80,17 +81,21 @@ def _read_config(path: Path) -> tuple[dict[str, Any], ModelIdentity]:
     except AttributeError:  # valid JSON, but not an object
         raise ValueError(f"{file}: not a JSON object; restore it or {REEXPORT}") from None
     model = config.get("model")
-    if not isinstance(model, dict) or not all(isinstance(model.get(k), t) for k, t in
-                                              (("name", str), ("flavor", str), ("args", dict))):
-        raise ValueError(f"{file}: 'model' must hold 'name' and 'flavor' (strings) and 'args' (an object); "
-                         f"restore it or {REEXPORT}")
+    if not isinstance(model, dict) or not all(
+        isinstance(model.get(k), t) for k, t in (("name", str), ("flavor", str), ("args", dict))
+    ):
+        raise ValueError(
+            f"{file}: 'model' must hold 'name' and 'flavor' (strings) and 'args' (an object); restore it or {REEXPORT}"
+        )
     try:
         spec = registry.get("model", model["name"])
     except ValueError as e:
         raise ValueError(f"{file}: model.name: {e}") from None
     if model["flavor"] not in spec.flavors:
-        raise ValueError(f"{file}: model.flavor {model['flavor']!r} is not a flavor of {model['name']!r}; "
-                         f"choose one of {list(spec.flavors)}")
+        raise ValueError(
+            f"{file}: model.flavor {model['flavor']!r} is not a flavor of {model['name']!r}; "
+            f"choose one of {list(spec.flavors)}"
+        )
     reference = spec.flavors[model["flavor"]]
     known = {f.name for f in dataclasses.fields(reference)}
     args = model["args"]
@@ -135,15 +140,16 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         files = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
         files += sorted(path.glob("*.safetensors"))
         bad = files[0] if files else path
-        for file in files[len(files) > 1 and files[0].name == INDEX_FILE:]:
+        for file in files[len(files) > 1 and files[0].name == INDEX_FILE :]:
             try:
                 safetensors.torch.load_file(file)
             except Exception:
                 bad = file
                 break
         text = str(e).strip().splitlines()
-        raise ValueError(f"{bad}: unreadable ({type(e).__name__}: {text[-1] if text else ''}); "
-                         f"restore it or {REEXPORT}") from None
+        raise ValueError(
+            f"{bad}: unreadable ({type(e).__name__}: {text[-1] if text else ''}); restore it or {REEXPORT}"
+        ) from None
 
 
 def load_model(
@@ -156,26 +162,36 @@ def load_model(
     try:
         model = spec.build_on_meta(identity.build_args())
     except Exception as e:  # args of the right types whose values build no model (n_heads = 0, ...)
-        raise ValueError(f"{path / CONFIG_FILE}: model.args build no {identity.name!r} model "
-                         f"({type(e).__name__}: {e}); restore it or {REEXPORT}") from None
+        raise ValueError(
+            f"{path / CONFIG_FILE}: model.args build no {identity.name!r} model "
+            f"({type(e).__name__}: {e}); restore it or {REEXPORT}"
+        ) from None
     materialize(model, torch.device(device), seed=0)
     tensors = _read_tensors(path)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise ValueError(f"{_weights_file(path)}: tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} "
-                         f"missing ({len(missing)} of {len(expected)}); restore it or {REEXPORT}")
+        raise ValueError(
+            f"{_weights_file(path)}: tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+            f"missing ({len(missing)} of {len(expected)}); restore it or {REEXPORT}"
+        )
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
-        raise ValueError(f"{_weights_file(path, unknown[0])}: tensor(s) {unknown[:3]} are not in a "
-                         f"{identity.name!r} model; restore it or {REEXPORT}")
+        raise ValueError(
+            f"{_weights_file(path, unknown[0])}: tensor(s) {unknown[:3]} are not in a "
+            f"{identity.name!r} model; restore it or {REEXPORT}"
+        )
     for key, shape in expected.items():
         if tuple(tensors[key].shape) != shape:
-            raise ValueError(f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
-                             f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}")
+            raise ValueError(
+                f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
+                f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}"
+            )
         if tensors[key].is_floating_point() and not bool(torch.isfinite(tensors[key]).all()):
-            raise ValueError(f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
-                             "saved before the values went non-finite")
+            raise ValueError(
+                f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
+                "saved before the values went non-finite"
+            )
     model.load_state_dict(tensors, strict=True)
     return model.to(dtype).eval(), config
 

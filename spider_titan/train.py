@@ -62,10 +62,18 @@ class Trainer:
         self.dump_folder = Path(cfg.job.dump_folder)
         # One run per folder, before anything is written to it; the end-of-run export may not
         # replace anything but an export (checked now, not after hours of training).
-        export_check = partial(check_export_target, self.dump_folder / "export", origin="checkpoint.export_at_end",
-                               keep_out_of=[self.dump_folder / cfg.checkpoint.folder])
-        self.run_lock = acquire_run_lock(self.dump_folder, rank=self.rank, distributed=self.world_size > 1,
-                                         checks=[export_check] if cfg.checkpoint.export_at_end else [])
+        export_check = partial(
+            check_export_target,
+            self.dump_folder / "export",
+            origin="checkpoint.export_at_end",
+            keep_out_of=[self.dump_folder / cfg.checkpoint.folder],
+        )
+        self.run_lock = acquire_run_lock(
+            self.dump_folder,
+            rank=self.rank,
+            distributed=self.world_size > 1,
+            checks=[export_check] if cfg.checkpoint.export_at_end else [],
+        )
         if self.rank == 0:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / "config.toml").write_text(to_toml(cfg))
@@ -80,17 +88,40 @@ class Trainer:
         self.data_iter = iter(self.run.train_loader)
         self.stop = StopSignal(self.world_size)
         run, t = self.run, cfg.training
-        self.health = StepHealth(run.device, data=run.train_loader.dataset.description,
-                                 skip_limit=t.skip_nonfinite_steps, latest_good=self.checkpointer.latest_good,
-                                 saving=cfg.checkpoint.enable, command=self.command)
+        self.health = StepHealth(
+            run.device,
+            data=run.train_loader.dataset.description,
+            skip_limit=t.skip_nonfinite_steps,
+            latest_good=self.checkpointer.latest_good,
+            saving=cfg.checkpoint.enable,
+            command=self.command,
+        )
         # Validation replays the same batches every time, from where its loader stands now.
-        self.validator = Validator(run.model, run.spec, run.model_args, run.val_loader, cfg.validation,
-                                   device=run.device, autocast=self._autocast, stop=self.stop,
-                                   world_size=self.world_size) if run.val_loader is not None else None
-        self.progress = Progress(self.state, t, device=run.device, dp_degree=run.parallel_dims.dp_degree,
-                                 world_size=self.world_size, total_steps=run.total_steps,
-                                 flops_per_byte=run.spec.flops_per_token(run.model_args, t.seq_len),
-                                 val_freq=cfg.validation.freq if run.val_loader is not None else None)
+        self.validator = (
+            Validator(
+                run.model,
+                run.spec,
+                run.model_args,
+                run.val_loader,
+                cfg.validation,
+                device=run.device,
+                autocast=self._autocast,
+                stop=self.stop,
+                world_size=self.world_size,
+            )
+            if run.val_loader is not None
+            else None
+        )
+        self.progress = Progress(
+            self.state,
+            t,
+            device=run.device,
+            dp_degree=run.parallel_dims.dp_degree,
+            world_size=self.world_size,
+            total_steps=run.total_steps,
+            flops_per_byte=run.spec.flops_per_token(run.model_args, t.seq_len),
+            val_freq=cfg.validation.freq if run.val_loader is not None else None,
+        )
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
         self.log_start_block()
 
@@ -106,8 +137,12 @@ class Trainer:
             tb = cfg.metrics.save_tb_folder
             files.append((f"{tb}/", f"TensorBoard (tensorboard --logdir {d / tb})"))
         if ck.enable:
-            files.append((f"{ck.folder}/", f"DCP checkpoints every {ck.interval} steps and at the end; "
-                                           "rerunning the same command resumes"))
+            files.append(
+                (
+                    f"{ck.folder}/",
+                    f"DCP checkpoints every {ck.interval} steps and at the end; rerunning the same command resumes",
+                )
+            )
         if ck.export_at_end:
             files.append(("export/", "safetensors export at the end (scripts/generate.py --model ...)"))
         width = max(len(name) for name, _ in files) + 2
@@ -138,7 +173,9 @@ class Trainer:
             batches.append((inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True), ids.to(device)))
         return batches
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
+    def train_step(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], step: int
+    ) -> dict[str, torch.Tensor]:
         """Optimizer step ``step`` over ``micro_batches``; returns detached metrics (not yet reduced).
 
         The LM loss is normalised by the number of non-ignored labels over all micro-batches and
@@ -241,8 +278,14 @@ class Trainer:
         name = signal.Signals(self.stop.signum).name
         if self.rank == 0:
             if self.cfg.checkpoint.enable:
-                logger.warning("%s: stopped at step %d with a checkpoint (%s)%s; resume with: %s", name, step,
-                               self.checkpointer.folder / f"step-{step}", where, self.command)
+                logger.warning(
+                    "%s: stopped at step %d with a checkpoint (%s)%s; resume with: %s",
+                    name,
+                    step,
+                    self.checkpointer.folder / f"step-{step}",
+                    where,
+                    self.command,
+                )
             else:
                 logger.warning("%s: stopped at step %d%s; nothing saved (checkpoint.enable = false)", name, step, where)
         return 128 + self.stop.signum
@@ -262,35 +305,61 @@ class Trainer:
                 if not (self.cfg.checkpoint.enable and saved.is_dir()):
                     return self._stop(step, ", the last, in its export")
                 out, dtype = self.dump_folder / "export", self.cfg.checkpoint.export_dtype
-                write = shlex.join([sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(saved),
-                                    "--out", str(out), *([] if dtype == "float32" else ["--dtype", dtype])])
+                write = shlex.join(
+                    [
+                        sys.executable,
+                        "scripts/export_safetensors.py",
+                        "--checkpoint",
+                        str(saved),
+                        "--out",
+                        str(out),
+                        *([] if dtype == "float32" else ["--dtype", dtype]),
+                    ]
+                )
                 if self.rank == 0:
-                    logger.warning("%s: the run is finished and saved (%s), but its export is incomplete (%s not "
-                                   "written); write it with: %s", signal.Signals(self.stop.signum).name, saved, out,
-                                   write)
+                    logger.warning(
+                        "%s: the run is finished and saved (%s), but its export is incomplete (%s not "
+                        "written); write it with: %s",
+                        signal.Signals(self.stop.signum).name,
+                        saved,
+                        out,
+                        write,
+                    )
                 return 0
         self.log_end_block()
         return 0
 
     def log_end_block(self) -> None:
         """What the run produced and how to use it, once at the end."""
-        logger.info("done: %d steps, %d bytes, %.3g training FLOPs in %s", self.state.step, self.state.tokens_seen,
-                    self.state.flops, format_duration(self.progress.elapsed()))
+        logger.info(
+            "done: %d steps, %d bytes, %.3g training FLOPs in %s",
+            self.state.step,
+            self.state.tokens_seen,
+            self.state.flops,
+            format_duration(self.progress.elapsed()),
+        )
         if self.best_val is not None:
             logger.info("best val bpb %.4f at step %d", *self.best_val)
         # Commands that work as printed: this interpreter (the venv's) and this checkout's scripts.
         python, scripts = Path(sys.executable), Path(__file__).resolve().parents[1] / "scripts"
         if self.cfg.metrics.enable_jsonl:
-            logger.info("metrics: %s (plot: %s)", self.dump_folder / "metrics.jsonl",
-                        shell_command(python, scripts / "plot.py", self.dump_folder))
+            logger.info(
+                "metrics: %s (plot: %s)",
+                self.dump_folder / "metrics.jsonl",
+                shell_command(python, scripts / "plot.py", self.dump_folder),
+            )
         good = self.checkpointer.latest_good()
         if good is not None:
             logger.info("last checkpoint: %s", good[1])
         if self.cfg.checkpoint.export_at_end:
             export = self.dump_folder / "export"
             logger.info("export: %s", export)
-            logger.info("sample from it: %s", shell_command(python, scripts / "generate.py", "--model", export,
-                                                            "--prompt", "def ", "--max_new_bytes", "200"))
+            logger.info(
+                "sample from it: %s",
+                shell_command(
+                    python, scripts / "generate.py", "--model", export, "--prompt", "def ", "--max_new_bytes", "200"
+                ),
+            )
 
     def close(self) -> None:
         stop = getattr(self, "stop", None)
@@ -333,9 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         def stop_now(signum, frame) -> None:
             name = signal.Signals(signum).name
             if trainer is not None:
-                exit_now(signum, f"{name} received while closing the run: stopped at once; its checkpoints are complete")
+                exit_now(
+                    signum, f"{name} received while closing the run: stopped at once; its checkpoints are complete"
+                )
             for sig in STOP_SIGNALS:  # start-up unwinds (removing what it had begun); a second signal exits at once
-                signal.signal(sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once"))
+                signal.signal(
+                    sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once")
+                )
             raise Interrupted(signum)
 
         for sig in STOP_SIGNALS:
@@ -349,13 +422,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except Interrupted as e:  # during start-up: nothing trained, nothing to save
-            print(f"{e} received during start-up: stopped before training, nothing saved; run the same command "
-                  "to start again", file=sys.stderr)
+            print(
+                f"{e} received during start-up: stopped before training, nothing saved; run the same command "
+                "to start again",
+                file=sys.stderr,
+            )
             return 128 + e.signum
         if from_cli:
+
             def second_line(name: str) -> str:
-                saved = (f"the newest complete checkpoint in {trainer.checkpointer.folder} is kept (a save in progress "
-                         f"is not); resume with: {command}") if cfg.checkpoint.enable else "nothing saved"
+                saved = (
+                    (
+                        f"the newest complete checkpoint in {trainer.checkpointer.folder} is kept (a save in progress "
+                        f"is not); resume with: {command}"
+                    )
+                    if cfg.checkpoint.enable
+                    else "nothing saved"
+                )
                 return f"{name} received again: stopped at once after step {trainer.state.step}; {saved}"
 
             trainer.stop.install(second_line)

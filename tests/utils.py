@@ -11,11 +11,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_train(args: list[str], *, nprocs: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], *, nprocs: int = 1, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """``python -m spider_titan.train ARGS`` (under torchrun when nprocs > 1); output captured."""
     if nprocs > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-               "-m", "spider_titan.train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nprocs}",
+            "-m",
+            "spider_titan.train",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "spider_titan.train", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -34,4 +44,6 @@ def train_losses(dump_folder: Path) -> dict[int, float]:
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    )

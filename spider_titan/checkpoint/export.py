@@ -87,8 +87,9 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for fqn, value in get_model_state_dict(model).items():
         if isinstance(value, DTensor):
             local = to_plain(value.to_local())
-            value = DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape,
-                                       stride=value.stride()).full_tensor()
+            value = DTensor.from_local(
+                local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+            ).full_tensor()
         value = to_plain(value)
         if keep:
             out[fqn] = value.to("cpu", copy=True)
@@ -121,7 +122,7 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model.") -> tuple[dict[st
             dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # CheckpointException wraps the reader's error
             raise DamagedCheckpointError(f"{path}: cannot be read ({first_cause(e)}); use another step") from None
-    return {key[len(prefix):]: t for key, t in tensors.items()}, meta
+    return {key[len(prefix) :]: t for key, t in tensors.items()}, meta
 
 
 def export_config(
@@ -203,8 +204,12 @@ def _write_files(
         shards[-1][key] = t
         size += nbytes
     metadata = {"format": "pt"}
-    logger.info("export: writing %.0f MB in %d file(s) to %s ...",
-                sum(t.numel() * t.element_size() for t in cast.values()) / 1e6, len(shards), out)
+    logger.info(
+        "export: writing %.0f MB in %d file(s) to %s ...",
+        sum(t.numel() * t.element_size() for t in cast.values()) / 1e6,
+        len(shards),
+        out,
+    )
     if len(shards) == 1:
         safetensors.torch.save_file(shards[0], tmp / WEIGHTS_FILE, metadata=metadata)
         _make_readable(tmp / WEIGHTS_FILE)
@@ -224,8 +229,12 @@ def _write_files(
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
     config = export_config(identity, dtype, step=step, num_parameters=sum(t.numel() for t in cast.values()))
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
-    marker = {"format": "spider_titan safetensors export", "format_version": EXPORT_FORMAT_VERSION, "step": step,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    marker = {
+        "format": "spider_titan safetensors export",
+        "format_version": EXPORT_FORMAT_VERSION,
+        "step": step,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
 
 
@@ -314,8 +323,11 @@ def check_export_target(out: Path, *, origin: str = "export", keep_out_of: Seque
     if not names or is_own_export(out):
         return
     foreign = _foreign(set(names))
-    why = (f"files an export does not write ({_listing(out, foreign)})" if MARKER_FILE in names
-           else f"{_listing(out, names)}, not an export of spider_titan (no {MARKER_FILE})")
+    why = (
+        f"files an export does not write ({_listing(out, foreign)})"
+        if MARKER_FILE in names
+        else f"{_listing(out, names)}, not an export of spider_titan (no {MARKER_FILE})"
+    )
     raise ValueError(
         f"{origin}: {out} holds {why}; an export replaces its folder, so it would delete them: "
         f"give a new or empty folder, e.g. {out / 'export'}"
@@ -340,8 +352,16 @@ def export_checkpoint(
     check_export_target(out, origin=origin, keep_out_of=keep_out_of)
     tensors, meta = read_checkpoint_tensors(path)
     identity = ModelIdentity.from_json(meta["model"])
-    return write_export(tensors, identity, out, dtype=dtype, step=meta["step"], max_shard_bytes=max_shard_bytes,
-                        origin=origin, keep_out_of=keep_out_of)
+    return write_export(
+        tensors,
+        identity,
+        out,
+        dtype=dtype,
+        step=meta["step"],
+        max_shard_bytes=max_shard_bytes,
+        origin=origin,
+        keep_out_of=keep_out_of,
+    )
 
 
 def read_export_config(path: Path) -> dict[str, Any]:

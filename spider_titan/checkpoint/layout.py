@@ -42,7 +42,7 @@ class ModelIdentity:
     converters: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, name: str, flavor: str, args: Any, converters=()) -> "ModelIdentity":
+    def of(cls, name: str, flavor: str, args: Any, converters=()) -> ModelIdentity:
         """From a model args dataclass; args are normalised through JSON so saved and live compare equal."""
         return cls(name, flavor, json.loads(json.dumps(dataclasses.asdict(args))), tuple(converters))
 
@@ -50,7 +50,7 @@ class ModelIdentity:
         return {"name": self.name, "flavor": self.flavor, "args": self.args, "converters": list(self.converters)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelIdentity":
+    def from_json(cls, data: dict[str, Any]) -> ModelIdentity:
         return cls(data["name"], data["flavor"], dict(data["args"]), tuple(data.get("converters", ())))
 
     def build_args(self) -> Any:
@@ -162,8 +162,11 @@ def share(names: list[str], rank: int, world_size: int) -> list[str]:
 
 def file_records(path: Path, crcs: dict[str, int]) -> dict[str, dict[str, int]]:
     """name -> {bytes, crc32} of every file in a checkpoint folder, recorded in meta.json as ``files``."""
-    return {f.name: {"bytes": f.stat().st_size, "crc32": crcs[f.name]}
-            for f in sorted(path.iterdir()) if f.is_file() and f.name != META_FILE}
+    return {
+        f.name: {"bytes": f.stat().st_size, "crc32": crcs[f.name]}
+        for f in sorted(path.iterdir())
+        if f.is_file() and f.name != META_FILE
+    }
 
 
 def damaged_files_reason(path: Path, meta: dict[str, Any], *, verify: list[str] | None = None) -> str | None:

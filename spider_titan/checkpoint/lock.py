@@ -95,8 +95,11 @@ class RunLock:
         file.seek(0)
         previous = file.read()
         if previous.strip():
-            logger.warning("run lock: %s was left by a run that ended without releasing it (%s); taking it over",
-                           path, _holder(previous))
+            logger.warning(
+                "run lock: %s was left by a run that ended without releasing it (%s); taking it over",
+                path,
+                _holder(previous),
+            )
         file.seek(0)
         file.truncate()
         start = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

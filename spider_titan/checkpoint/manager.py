@@ -180,7 +180,9 @@ class RNGState(Stateful):
         saved = len(cpu)
         idx = rank if saved == world else 0
         if saved != world and rank == 0:
-            logger.info("rng: saved by %d ranks, this run has %d: every rank continues from rank 0's state", saved, world)
+            logger.info(
+                "rng: saved by %d ranks, this run has %d: every rank continues from rank 0's state", saved, world
+            )
         torch.set_rng_state(cpu[idx].clone())
         if torch.cuda.is_available() and cuda[idx].numel():
             torch.cuda.set_rng_state(cuda[idx].clone())
@@ -269,8 +271,9 @@ class Checkpointer:
                 return step
         if cfg.initial_load_path:
             origin = "checkpoint.initial_load_path"
-            path = resolve_checkpoint(Path(cfg.initial_load_path), origin=origin,
-                                      prefer_full=not cfg.initial_load_model_only)
+            path = resolve_checkpoint(
+                Path(cfg.initial_load_path), origin=origin, prefer_full=not cfg.initial_load_model_only
+            )
             return self._load(path, model_only=cfg.initial_load_model_only, origin=origin)
         if cfg.enable:
             logger.info("checkpoint: no checkpoint in %s, starting from step 0", self.folder)
@@ -354,10 +357,16 @@ class Checkpointer:
         if missing:
             raise ValueError(f"{where} has no {missing} (it holds {meta['contents']})")
         if "rng" in keys:
-            shapes = {k: saved[f"rng.{k}"].size for k in ("cpu", "cuda") if f"rng.{k}" in saved and hasattr(saved[f"rng.{k}"], "size")}
+            shapes = {
+                k: saved[f"rng.{k}"].size
+                for k in ("cpu", "cuda")
+                if f"rng.{k}" in saved and hasattr(saved[f"rng.{k}"], "size")
+            }
             if len(shapes) != 2:
-                raise ValueError(f"{where}: its RNG state is in an older format; start from its weights with "
-                                 "checkpoint.initial_load_model_only = true")
+                raise ValueError(
+                    f"{where}: its RNG state is in an older format; start from its weights with "
+                    "checkpoint.initial_load_model_only = true"
+                )
             self.states["rng"].expect(shapes)
         t0 = time.perf_counter()
         failure: BaseException | None = None
@@ -371,14 +380,19 @@ class Checkpointer:
         if self.rank == 0:
             logger.info(
                 "checkpoint: loaded %s from %s (step %d) in %.2f s",
-                "+".join(keys), path, meta["step"], time.perf_counter() - t0,
+                "+".join(keys),
+                path,
+                meta["step"],
+                time.perf_counter() - t0,
             )
             saved = meta.get("samples_per_step")
             if "dataloader" in keys and saved and self.samples_per_step and saved != self.samples_per_step:
                 logger.info(
                     "dataloader: saved at %d samples per step, this run takes %d: continuing from global "
                     "sample %d of the same order, grouped into batches differently from here on",
-                    saved, self.samples_per_step, self.states["dataloader"].state_dict()["samples_consumed"],
+                    saved,
+                    self.samples_per_step,
+                    self.states["dataloader"].state_dict()["samples_consumed"],
                 )
         return 0 if model_only else int(meta["step"])
 
@@ -442,16 +456,20 @@ class Checkpointer:
             "finite": True,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        save = _Save(step, self.folder / f"step-{step}.tmp-{self.token}", self.folder / f"step-{step}", meta,
-                     time.perf_counter())
+        save = _Save(
+            step, self.folder / f"step-{step}.tmp-{self.token}", self.folder / f"step-{step}", meta, time.perf_counter()
+        )
         if asynchronous:
             # Staging copies every tensor to CPU memory before this returns; training goes on
             # while a thread writes the copy.
             save.future = dcp.async_save(states, checkpoint_id=str(save.tmp), **self._dcp_kwargs())
             self.pending = save
             if self.rank == 0:
-                logger.info("checkpoint: step %d staged in %.2f s, writing in the background",
-                            step, time.perf_counter() - save.started)
+                logger.info(
+                    "checkpoint: step %d staged in %.2f s, writing in the background",
+                    step,
+                    time.perf_counter() - save.started,
+                )
         else:
             if self.rank == 0:  # a 1B checkpoint takes tens of seconds: say so before, not only after
                 logger.info("checkpoint: writing step %d to %s ...", step, save.final)
@@ -534,8 +552,11 @@ class Checkpointer:
         took = time.perf_counter() - save.started
         logger.info(
             "checkpoint: saved %s (%s, %.1f MB) in %.2f s, %.0f MB/s",
-            save.final, "model only, " + save.meta["dtype"] if save.meta["model_only"] else "full",
-            size / 1e6, took, size / 1e6 / max(took, 1e-9),
+            save.final,
+            "model only, " + save.meta["dtype"] if save.meta["model_only"] else "full",
+            size / 1e6,
+            took,
+            size / 1e6 / max(took, 1e-9),
         )
         self._prune()
 
@@ -563,7 +584,9 @@ class Checkpointer:
             return
         for path in sorted(self.folder.iterdir()):
             if STEP_RE.match(path.name) and not is_complete(path):
-                logger.warning("checkpoint: skipping %s: no .metadata or %s, not a complete checkpoint", path, META_FILE)
+                logger.warning(
+                    "checkpoint: skipping %s: no .metadata or %s, not a complete checkpoint", path, META_FILE
+                )
 
     def _remove_partial(self) -> None:
         if not self.folder.is_dir():
@@ -595,8 +618,14 @@ class Checkpointer:
         if cause is None:
             raise e
         saved = list_checkpoints(self.folder) if self.cfg.enable else []
-        later = (f"; the checkpoint {saved[-1][1]} is saved: export it later with python scripts/export_safetensors.py "
-                 f"--checkpoint {saved[-1][1]} --out {out}") if saved else ""
+        later = (
+            (
+                f"; the checkpoint {saved[-1][1]} is saved: export it later with python scripts/export_safetensors.py "
+                f"--checkpoint {saved[-1][1]} --out {out}"
+            )
+            if saved
+            else ""
+        )
         raise WriteFailed(f"export at step {step} not written ({describe_os_error(cause, out)}){later}") from e
 
     def close(self) -> None:
@@ -624,7 +653,7 @@ def _read_dcp_metadata(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def build_checkpointer(cfg: CheckpointConfig, run: "Run", train_state: Stateful) -> Checkpointer:
+def build_checkpointer(cfg: CheckpointConfig, run: Run, train_state: Stateful) -> Checkpointer:
     """The run's Checkpointer over the Statefuls that must survive a restart (``cfg`` = [checkpoint])."""
     states: dict[str, Stateful] = {
         "model": ModelState(run.model),
@@ -636,6 +665,9 @@ def build_checkpointer(cfg: CheckpointConfig, run: "Run", train_state: Stateful)
     }
     identity = ModelIdentity.of(run.spec.name, run.cfg.model.flavor, run.model_args, run.cfg.model.converters)
     return Checkpointer(
-        cfg, states=states, identity=identity, dump_folder=run.dump_folder,
+        cfg,
+        states=states,
+        identity=identity,
+        dump_folder=run.dump_folder,
         samples_per_step=run.train_loader.global_batch_size * run.cfg.training.gradient_accumulation_steps,
     )

@@ -28,9 +28,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +103,9 @@ def total_steps(cfg: JobConfig, dp_degree: int) -> int:
     return t.steps
 
 
-def build_model(cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None = None) -> tuple[ModelSpec, Any, nn.Module]:
+def build_model(
+    cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None = None
+) -> tuple[ModelSpec, Any, nn.Module]:
     """Steps 3-7: the model on the meta device, converted, with its MoE backend, AC and compile."""
     spec = registry.get("model", cfg.model.name)
     args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
@@ -174,15 +177,22 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     path = t.dataset_path or None
     train_loader = ByteDataLoader(
         build_dataset(path, split="train", seed=t.seed),
-        seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-        dp_rank=dp_rank, dp_world_size=dims.dp_degree, seed=t.seed, num_workers=t.num_workers,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dims.dp_degree,
+        seed=t.seed,
+        num_workers=t.num_workers,
     )
     val_loader = None
     if cfg.validation.enable:
         val_loader = ByteDataLoader(
             build_dataset(path, split="val", seed=t.seed),
-            seq_len=t.seq_len, local_batch_size=cfg.validation.local_batch_size or t.local_batch_size,
-            dp_rank=dp_rank, dp_world_size=dims.dp_degree, seed=t.seed,
+            seq_len=t.seq_len,
+            local_batch_size=cfg.validation.local_batch_size or t.local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dims.dp_degree,
+            seed=t.seed,
         )
 
     # 3)-7) model on meta, converters, MoE backend, activation checkpointing, compile
@@ -197,16 +207,26 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     # 9) parallelize; the comm counter (optional) closes its step in the post-step hooks
     counter = CommCounter(dump_folder / COMM_COUNTS_FILE) if cfg.parallelism.comm_counter else None
     parallelize = cfg.parallelism.name
-    post_step_hooks.extend(registry.get("parallelize", parallelize)(
-        model, spec, dims, meshes, registry.section("parallelize", parallelize, cfg),
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, counter=counter,
-    ))
+    post_step_hooks.extend(
+        registry.get("parallelize", parallelize)(
+            model,
+            spec,
+            dims,
+            meshes,
+            registry.section("parallelize", parallelize, cfg),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            counter=counter,
+        )
+    )
     # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
     fsdp_on = world_size > 1 and parallelize == "fsdp" and use_fsdp(cfg.parallelism, dims)
     autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
 
     # 10) optimizer, 11) lr scheduler
-    optimizer = registry.get("optimizer", cfg.optimizer.name)(model, registry.section("optimizer", cfg.optimizer.name, cfg))
+    optimizer = registry.get("optimizer", cfg.optimizer.name)(
+        model, registry.section("optimizer", cfg.optimizer.name, cfg)
+    )
     balance = cfg.moe.load_balance
     post_step_hooks.extend(registry.get("load_balance", balance)(model, registry.section("load_balance", balance, cfg)))
     steps = total_steps(cfg, dims.dp_degree)
@@ -227,8 +247,22 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
             )
 
     return Run(
-        cfg=cfg, device=device, rank=rank, world_size=world_size, parallel_dims=dims, meshes=meshes,
-        spec=spec, model_args=args, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-        train_loader=train_loader, val_loader=val_loader, metric_logger=MetricLogger(backends),
-        total_steps=steps, autocast_dtype=autocast_dtype, post_step_hooks=post_step_hooks, dump_folder=dump_folder,
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        parallel_dims=dims,
+        meshes=meshes,
+        spec=spec,
+        model_args=args,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        metric_logger=MetricLogger(backends),
+        total_steps=steps,
+        autocast_dtype=autocast_dtype,
+        post_step_hooks=post_step_hooks,
+        dump_folder=dump_folder,
     )

@@ -69,8 +69,15 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
-def ranged(default: float, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False, special: dict[float, str] | None = None) -> Any:
+def ranged(
+    default: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    special: dict[float, str] | None = None,
+) -> Any:
     """A dataclass field with ``default`` whose values must lie in the :class:`Range` given."""
     bounds = Range(low, high, low_open, high_open, tuple((special or {}).items()))
     return field(default=default, metadata={"range": bounds})
@@ -224,8 +231,14 @@ class Float8:
     """torchao float8 recipe; ``tensorwise`` is the one that supports fp8 all-gather."""
     filter_fqns: list[str] = field(
         default_factory=lambda: [
-            "boundary_predictor", "loop_embedding", "engram", "norm",
-            "embed_tokens", "lm_head", "halt_predictor", "router",
+            "boundary_predictor",
+            "loop_embedding",
+            "engram",
+            "norm",
+            "embed_tokens",
+            "lm_head",
+            "halt_predictor",
+            "router",
         ]
     )
     """Linears whose FQN contains any of these stay high precision."""

@@ -37,8 +37,8 @@ MODEL_ARGS_FIELD = "overrides"
 RENAMED_KEYS: dict[str, str] = {
     "parallelism.fsdp_enabled": "renamed to parallelism.fsdp (same values: auto, always, never)",
     "training.precision": (
-        "removed: float8 is chosen by one list, model.converters = [\"float8\"] (float8.fallback = \"warn\" "
-        "stays in bf16 where fp8 cannot run, as precision = \"auto\" did)"
+        'removed: float8 is chosen by one list, model.converters = ["float8"] (float8.fallback = "warn" '
+        'stays in bf16 where fp8 cannot run, as precision = "auto" did)'
     ),
 }
 
@@ -226,8 +226,10 @@ def parse(argv: list[str]) -> tuple[JobConfig | None, list[str]]:
         except OSError as e:
             return None, [f"job.config_file: cannot read {config_file!r} ({e.strerror}); check its permissions"]
         except UnicodeDecodeError as e:
-            return None, [f"job.config_file: {config_file!r} is not UTF-8 text (byte {e.start}: "
-                                 f"{e.object[e.start:e.start + 1]!r}); TOML files are UTF-8, save it as such"]
+            return None, [
+                f"job.config_file: {config_file!r} is not UTF-8 text (byte {e.start}: "
+                f"{e.object[e.start : e.start + 1]!r}); TOML files are UTF-8, save it as such"
+            ]
         except tomli.TOMLDecodeError as e:
             return None, [f"job.config_file: {config_file!r} is not valid TOML: {e}"]
 

@@ -26,6 +26,7 @@ REGISTRY_KEYS: dict[str, str] = {
     "parallelism.name": "parallelize",
 }
 
+
 def field_range(f: dataclasses.Field) -> Range:
     """The values a config field accepts (job_config.ranged); unbounded when it declares none."""
     return f.metadata.get("range", Range())
@@ -76,8 +77,11 @@ def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     t = cfg.training
     max_seq_len = getattr(model_args, "max_seq_len", None)
     if isinstance(max_seq_len, int) and t.seq_len > max_seq_len:
-        source = ("set in [model]" if "max_seq_len" in cfg.model.overrides
-                  else f"of {cfg.model.name} flavor {cfg.model.flavor!r}")
+        source = (
+            "set in [model]"
+            if "max_seq_len" in cfg.model.overrides
+            else f"of {cfg.model.name} flavor {cfg.model.flavor!r}"
+        )
         problems.append(
             f"training.seq_len = {t.seq_len} > model.max_seq_len = {max_seq_len} ({source}), the longest input the "
             f"model accepts; lower training.seq_len or set model.max_seq_len = {t.seq_len}"
@@ -85,7 +89,9 @@ def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     if t.steps < 1 and t.target_tokens <= 0:
         problems.append(f"training.steps: {t.steps} must be >= 1 (or set training.target_tokens > 0)")
     if t.dataset in ("bytes", "text") and not t.dataset_path:
-        problems.append(f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder")
+        problems.append(
+            f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder"
+        )
     if cfg.checkpoint.initial_load_model_only and not cfg.checkpoint.initial_load_path:
         problems.append("checkpoint.initial_load_model_only: needs checkpoint.initial_load_path")
     return problems
@@ -118,7 +124,7 @@ def float8_problems(cfg: JobConfig, world_size: int) -> list[str]:
     if not cfg.float8.enable_fsdp_float8_all_gather:
         return []
     if "float8" not in cfg.model.converters:
-        return ["float8.enable_fsdp_float8_all_gather: needs the float8 converter (model.converters = [\"float8\"])"]
+        return ['float8.enable_fsdp_float8_all_gather: needs the float8 converter (model.converters = ["float8"])']
     par = cfg.parallelism
     dims = ParallelDims.from_config(par, world_size, check=False)
     if not (world_size > 1 and use_fsdp(par, dims)):
@@ -139,4 +145,3 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     problems += parallelism_problems(cfg, model_args, world_size)
     problems += float8_problems(cfg, world_size)
     return problems
-

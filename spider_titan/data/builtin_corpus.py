@@ -71,8 +71,11 @@ def builtin_corpus_dir(cache_dir: str | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info(
         "built-in corpus: %d documents, %d tokens (train %d, val %d) in %s",
-        metadata["documents"], metadata["tokens"],
-        metadata["splits"]["train"]["tokens"], metadata["splits"]["val"]["tokens"], final,
+        metadata["documents"],
+        metadata["tokens"],
+        metadata["splits"]["train"]["tokens"],
+        metadata["splits"]["val"]["tokens"],
+        final,
     )
     return final
 
@@ -120,7 +123,9 @@ def _build(folder: Path, stdlib: Path) -> dict:
         writer.close()
     logger.info("%s", progress.summary())
     metadata = corpus_metadata(
-        writers, documents, "header",
+        writers,
+        documents,
+        "header",
         name=CORPUS_NAME,
         source=f"Python {sys.version.split()[0]} standard library ({stdlib}) and pydoc_data help topics",
         val_every=VAL_EVERY,

@@ -181,8 +181,13 @@ def _check_parquet_column(path: Path, key: str) -> None:
             f"{path}: no column {key!r} (columns: {', '.join(schema.names)}); name the text column with --text_key"
         )
     t = schema.field(key).type
-    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-            or pa.types.is_large_binary(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)):
+    if not (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    ):
         raise ValueError(f"{path}: column {key!r} has type {t}, not a string; name the text column with --text_key")
 
 
@@ -199,8 +204,11 @@ def _reading(name: str, compression: str = "") -> Iterator[None]:
         if isinstance(e, OSError) and e.errno is not None:
             reason = os_error_reason(e)
             raise ValueError(f"{name}: cannot read it ({reason}); check the path and its permissions") from e
-        what = ("ends before the end of its compressed stream, so it is truncated" if isinstance(e, EOFError)
-                else f"is not valid .{compression} data ({e})")
+        what = (
+            "ends before the end of its compressed stream, so it is truncated"
+            if isinstance(e, EOFError)
+            else f"is not valid .{compression} data ({e})"
+        )
         tool = {"gz": "gzip", "zst": "zstd"}.get(compression, "gzip")
         raise ValueError(
             f"{name}: {what}; test it with `{tool} -t {name}` and download or compress it again "
@@ -218,7 +226,7 @@ def _jsonl_text(line: str | bytes, path: str | Path, lineno: int, key: str = "te
         ) from e
     text = record.get(key) if isinstance(record, dict) else None
     if not isinstance(text, str):
-        raise ValueError(f"{path}:{lineno}: no string {key!r} field; each line must look like {{\"{key}\": \"...\"}}")
+        raise ValueError(f'{path}:{lineno}: no string {key!r} field; each line must look like {{"{key}": "..."}}')
     return text
 
 
@@ -337,16 +345,21 @@ class _ParquetTask:
         try:
             column = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=[self.key]).column(0)
         except (OSError, pa.ArrowException) as e:
-            raise ValueError(f"{self.path}: row group {self.row_group} cannot be read ({e}); the Parquet file is "
-                             "damaged or truncated: download or write it again") from e
+            raise ValueError(
+                f"{self.path}: row group {self.row_group} cannot be read ({e}); the Parquet file is "
+                "damaged or truncated: download or write it again"
+            ) from e
         if column.null_count:
             raise ValueError(
                 f"{self.path}: row group {self.row_group} has {column.null_count} null {self.key!r} values; "
                 "drop those rows first"
             )
         # The column's own buffers (offsets + UTF-8 bytes) go straight to numpy: no Python str per row.
-        wide = pa.large_binary() if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type) \
+        wide = (
+            pa.large_binary()
+            if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
             else pa.large_string()
+        )
         arr = column.cast(wide).combine_chunks()
         _, offsets_buf, data_buf = arr.buffers()
         offsets = np.frombuffer(offsets_buf, dtype=np.int64)[arr.offset : arr.offset + len(arr) + 1]
@@ -583,8 +596,10 @@ class Progress:
         """The closing line: ``<what>: N docs, K tokens from X MB in S s (R MB/s, tokens/s)``."""
         elapsed = self.elapsed()
         tokens_per_s = self.tokens / max(elapsed, 1e-9)
-        return (f"{self.what}: {self.docs:,} docs, {self.tokens:,} tokens from {self.bytes / 2**20:,.1f} MB "
-                f"in {elapsed:.1f} s ({self.rate():,.1f} MB/s, {tokens_per_s / 1e6:,.1f}M tokens/s)")
+        return (
+            f"{self.what}: {self.docs:,} docs, {self.tokens:,} tokens from {self.bytes / 2**20:,.1f} MB "
+            f"in {elapsed:.1f} s ({self.rate():,.1f} MB/s, {tokens_per_s / 1e6:,.1f}M tokens/s)"
+        )
 
 
 def prepare_shards(
@@ -631,7 +646,10 @@ def prepare_shards(
     total = None if None in sizes else sum(sizes)
     logger.info(
         "prepare_data: %d input(s)%s, %d worker(s) -> %s",
-        len(sources), "" if total is None else f", {total / 2**20:,.1f} MB", workers, out,
+        len(sources),
+        "" if total is None else f", {total / 2**20:,.1f} MB",
+        workers,
+        out,
     )
     writers = {
         split: ShardWriter(out / split, split, shard_tokens=shard_tokens, header=fmt == "header")
@@ -640,15 +658,24 @@ def prepare_shards(
     made = [d for d in (out, out / "train", out / "val") if not d.exists()]  # removed again on failure
     try:
         documents = _write_split(
-            encode_in_order(iter_tasks(sources, text_key=text_key), workers), writers, val_fraction, seed,
+            encode_in_order(iter_tasks(sources, text_key=text_key), workers),
+            writers,
+            val_fraction,
+            seed,
             Progress("prepare_data", total_bytes=total, every_s=progress_s),
         )
         if not documents["train"]:
             raise ValueError(f"the inputs {[str(i) for i in inputs]} hold no documents (empty .jsonl files?)")
         metadata = corpus_metadata(
-            writers, documents, fmt,
-            val_fraction=val_fraction, seed=seed, shard_tokens=shard_tokens,
-            inputs=[str(i) for i in inputs], files=len(sources), text_key=text_key,
+            writers,
+            documents,
+            fmt,
+            val_fraction=val_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+            inputs=[str(i) for i in inputs],
+            files=len(sources),
+            text_key=text_key,
         )
         write_metadata(out, metadata)
     except OSError as e:  # the reads raise ValueError (_reading): this is a write under --out
@@ -661,7 +688,11 @@ def prepare_shards(
         logger.warning("prepare_data: only 1 document, so the val split is empty; pass more files or a .jsonl")
     logger.info(
         "prepare_data: wrote %d documents, %d tokens (train %d, val %d) to %s",
-        metadata["documents"], metadata["tokens"], writers["train"].num_tokens, writers["val"].num_tokens, out,
+        metadata["documents"],
+        metadata["tokens"],
+        writers["train"].num_tokens,
+        writers["val"].num_tokens,
+        out,
     )
     return metadata
 

@@ -60,8 +60,10 @@ class TokenDataset:
         self.description = description
         self._starts = np.cumsum([0] + [a.size for a in self.arrays], dtype=np.int64)
         if not any(holds_labels(a) for a in self.arrays):
-            raise ValueError(f"{description}: no tokens other than PAD ({self.num_tokens} tokens in all), "
-                             "so there is nothing to learn; check the data path and how it was prepared")
+            raise ValueError(
+                f"{description}: no tokens other than PAD ({self.num_tokens} tokens in all), "
+                "so there is nothing to learn; check the data path and how it was prepared"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -71,9 +73,7 @@ class TokenDataset:
     def window(self, start: int, length: int) -> np.ndarray:
         """A copy of tokens ``[start, start + length)`` of the stream, across array borders."""
         if start < 0 or length < 0 or start + length > self.num_tokens:
-            raise IndexError(
-                f"window [{start}, {start + length}) is outside {self.description} (0..{self.num_tokens})"
-            )
+            raise IndexError(f"window [{start}, {start + length}) is outside {self.description} (0..{self.num_tokens})")
         out = np.empty(length, dtype=np.uint16)
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         pos, filled = start - int(self._starts[i]), 0
@@ -93,8 +93,10 @@ class TokenDataset:
         array, index = self.arrays[i], pos - int(self._starts[i])
         if isinstance(array, np.memmap) and array.filename:
             raise bad_token_error(array.filename, array.offset + 2 * index, int(tokens[k]))
-        raise DataError(f"{self.description}: token id {int(tokens[k])} at token {pos} is outside the byte "
-                        f"vocabulary (0..{VOCAB_SIZE - 1}); check how the data was made")
+        raise DataError(
+            f"{self.description}: token id {int(tokens[k])} at token {pos} is outside the byte "
+            f"vocabulary (0..{VOCAB_SIZE - 1}); check how the data was made"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -128,8 +130,10 @@ def check_shard(path: Path, tokens: np.ndarray) -> None:
             k = int(np.argmax(block >= VOCAB_SIZE))
             raise bad_token_error(path, getattr(tokens, "offset", 0) + 2 * (start + k), int(block[k]))
     if not holds_labels(tokens):
-        raise DataError(f"{path}: every token is PAD ({tokens.size} tokens), so it holds nothing to learn; "
-                        "remove the shard or re-make it with scripts/prepare_data.py")
+        raise DataError(
+            f"{path}: every token is PAD ({tokens.size} tokens), so it holds nothing to learn; "
+            "remove the shard or re-make it with scripts/prepare_data.py"
+        )
 
 
 def holds_labels(tokens: np.ndarray) -> bool:
@@ -259,8 +263,9 @@ def build_mock_dataset(path: str | None, *, split: Split, seed: int) -> TokenDat
 class _Sampler:
     """Maps global sample positions to token windows and builds one rank's batches (picklable)."""
 
-    def __init__(self, dataset: TokenDataset, *, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world_size: int, seed: int):
+    def __init__(
+        self, dataset: TokenDataset, *, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int, seed: int
+    ):
         self.dataset = dataset
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -361,8 +366,14 @@ class ByteDataLoader(Stateful):
         self.dp_world_size = dp_world_size
         self.seed = seed
         self.num_workers = num_workers
-        self._sampler = _Sampler(dataset, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                 dp_world_size=dp_world_size, seed=seed)
+        self._sampler = _Sampler(
+            dataset,
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            seed=seed,
+        )
         if self.num_windows < self.global_batch_size:
             raise ValueError(
                 f"{dataset.description}: {dataset.num_tokens} tokens give {self.num_windows} samples of "
@@ -398,7 +409,9 @@ class ByteDataLoader(Stateful):
         if self.num_workers == 0:
             batches = (self._sampler.local_batch(first + k * g) for k in itertools.count())
         else:
-            batches = iter(DataLoader(_WorkerBatches(self._sampler, first), batch_size=None, num_workers=self.num_workers))
+            batches = iter(
+                DataLoader(_WorkerBatches(self._sampler, first), batch_size=None, num_workers=self.num_workers)
+            )
         for batch in batches:
             if isinstance(batch, DataError):  # from a worker (_WorkerBatches)
                 raise batch
@@ -419,7 +432,9 @@ class ByteDataLoader(Stateful):
         """Resume at the saved position; ValueError when the state was saved with another seq_len or seed."""
         missing = [k for k in ("samples_consumed", "seq_len", "seed") if k not in state_dict]
         if missing:
-            raise ValueError(f"dataloader state is missing {missing}; it was not written by ByteDataLoader.state_dict()")
+            raise ValueError(
+                f"dataloader state is missing {missing}; it was not written by ByteDataLoader.state_dict()"
+            )
         problems = [
             f"{key}={int(state_dict[key])} in the checkpoint but {key}={mine} in this run"
             for key, mine in (("seq_len", self.seq_len), ("seed", self.seed))
@@ -427,7 +442,8 @@ class ByteDataLoader(Stateful):
         ]
         if problems:
             raise ValueError(
-                "dataloader state does not match this run: " + "; ".join(problems)
+                "dataloader state does not match this run: "
+                + "; ".join(problems)
                 + "; resume with the saved values or load the model only (checkpoint.initial_load_model_only)"
             )
         saved_windows = state_dict.get("num_windows")
@@ -435,6 +451,8 @@ class ByteDataLoader(Stateful):
             logger.warning(
                 "dataloader: the checkpoint was read from %d samples per epoch, this dataset has %d; "
                 "continuing at global sample %d of a different order",
-                int(saved_windows), self.num_windows, int(state_dict["samples_consumed"]),
+                int(saved_windows),
+                self.num_windows,
+                int(state_dict["samples_consumed"]),
             )
         self.samples_consumed = int(state_dict["samples_consumed"])

@@ -258,7 +258,7 @@ def _header_bytes(num_tokens: int) -> bytes:
     return words.tobytes()
 
 
-def corpus_metadata(writers: dict[str, "ShardWriter"], documents: dict[str, int], fmt: str, **extra) -> dict:
+def corpus_metadata(writers: dict[str, ShardWriter], documents: dict[str, int], fmt: str, **extra) -> dict:
     """The metadata.json of a corpus written by one ShardWriter per split (plus ``extra`` fields)."""
     return {
         "tokenizer": "bytes",

@@ -29,8 +29,20 @@ _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0
 
 # Console: these fields first, in this order, on the step line; the rest (the model's own figures)
 # on indented lines below it, packed to at most CONSOLE_WIDTH characters each.
-_CONSOLE_ORDER = ("elapsed_s", "eta_s", "loss", "bpb", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s",
-                  "tflops", "mfu", "memory_gib")
+_CONSOLE_ORDER = (
+    "elapsed_s",
+    "eta_s",
+    "loss",
+    "bpb",
+    "val_loss",
+    "val_bpb",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "memory_gib",
+)
 CONSOLE_WIDTH = 143  # + the 17-character "[rank0] HH:MM:SS " prefix: a line fits 160 columns
 
 
@@ -114,12 +126,18 @@ class ConsoleLogger:
         """The console lines for one log call, none longer than ``CONSOLE_WIDTH``."""
         first = [k for k in _CONSOLE_ORDER if k in scalars]
         # a variant's val_loss is its val_bpb times ln 2: the console shows the bpb only
-        rest = sorted(k for k in scalars if k not in _CONSOLE_ORDER and k not in self.hidden
-                      and not (k.startswith("val_loss_") and "val_bpb_" + k[len("val_loss_"):] in scalars))
+        rest = sorted(
+            k
+            for k in scalars
+            if k not in _CONSOLE_ORDER
+            and k not in self.hidden
+            and not (k.startswith("val_loss_") and "val_bpb_" + k[len("val_loss_") :] in scalars)
+        )
         total = scalars.get("total_steps")
         head = f"step {step:>{len(str(int(total)))}}/{int(total)}" if total else f"step {step}"
-        return (_pack([head] + [_fmt(k, scalars[k]) for k in first], indent_first=False)
-                + _pack([_fmt(k, scalars[k]) for k in rest], indent_first=True))
+        return _pack([head] + [_fmt(k, scalars[k]) for k in first], indent_first=False) + _pack(
+            [_fmt(k, scalars[k]) for k in rest], indent_first=True
+        )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for line in self.lines(step, scalars):

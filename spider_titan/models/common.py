@@ -14,8 +14,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # (qk 192, v 128) would fall through to math with torch's default order on some builds; cuDNN and
 # the memory-efficient kernel take unequal dims. On CPU only flash (CPU) and math apply.
 # GPU figures per backend: scripts/benchmark.py attention (docs/benchmarks.md).
-SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+SDPA_PRIORITY = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

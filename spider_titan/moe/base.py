@@ -109,9 +109,7 @@ def check_expand(x: torch.Tensor, rmap: RoutingMap) -> torch.Tensor:
     return x.contiguous()
 
 
-def check_reduce(
-    y_exp: torch.Tensor, weights: torch.Tensor, rmap: RoutingMap
-) -> tuple[torch.Tensor, torch.Tensor]:
+def check_reduce(y_exp: torch.Tensor, weights: torch.Tensor, rmap: RoutingMap) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``reduce``'s inputs; return ``(y_exp, weights)`` contiguous.
 
     ``weights`` must have y_exp's dtype or be fp32 (the router's precision; the sum is fp32 anyway).
@@ -124,9 +122,7 @@ def check_reduce(
     if weights.shape != (T, k):
         raise ValueError(f"MoE reduce: weights must be (T={T}, k={k}), got {tuple(weights.shape)}")
     if weights.dtype not in (y_exp.dtype, torch.float32):
-        raise ValueError(
-            f"MoE reduce: weights dtype {weights.dtype} must be y_exp's ({y_exp.dtype}) or torch.float32"
-        )
+        raise ValueError(f"MoE reduce: weights dtype {weights.dtype} must be y_exp's ({y_exp.dtype}) or torch.float32")
     if not (y_exp.device == weights.device == rmap.pos_to_token.device):
         raise ValueError(
             f"MoE reduce: y_exp ({y_exp.device}), weights ({weights.device}) and the routing map "

@@ -41,7 +41,7 @@ def _kernels() -> ModuleType:
     except ImportError as e:
         raise ImportError(
             f"MoE backend 'triton' needs a working Triton install ({e}); "
-            "install triton or set [moe] backend = \"torch\""
+            'install triton or set [moe] backend = "torch"'
         ) from e
     return kernels
 
@@ -50,7 +50,7 @@ def _check_device(t: torch.Tensor, interpreted: bool) -> None:
     if t.device.type == "cpu" and not interpreted:
         raise ValueError(
             "MoE backend 'triton' got CPU tensors but Triton's interpreter is off: set TRITON_INTERPRET=1 "
-            "before triton is first imported, move the model to a GPU, or use [moe] backend = \"torch\""
+            'before triton is first imported, move the model to a GPU, or use [moe] backend = "torch"'
         )
 
 
@@ -74,8 +74,12 @@ def _routing_map_op(
 def _(topk_idx, n_experts, align):
     T, k = topk_idx.shape
     new = topk_idx.new_empty
-    return (new(T, k, dtype=torch.int64), new(max_rows(T, k, n_experts, align), dtype=torch.int64),
-            new(n_experts, dtype=torch.int64), new(n_experts, dtype=torch.int32))
+    return (
+        new(T, k, dtype=torch.int64),
+        new(max_rows(T, k, n_experts, align), dtype=torch.int64),
+        new(n_experts, dtype=torch.int64),
+        new(n_experts, dtype=torch.int32),
+    )
 
 
 @torch.library.custom_op("spider_titan::moe_expand_rows", mutates_args=())

@@ -67,7 +67,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.muon = torch.optim.Muon(muon_params, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
         self.adamw = torch.optim.AdamW(
             _split_decay(adam_named, cfg.weight_decay),
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            foreach=True,
         )
         # Not Optimizer.__init__: the groups and state belong to the two inner optimizers; this
         # object only exposes them (the LR scheduler scales every group's lr).

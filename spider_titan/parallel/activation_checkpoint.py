@@ -115,6 +115,9 @@ def apply_ac(model: nn.Module, spec: ModelSpec, cfg: ActivationCheckpoint) -> in
             index += 1
     logger.info(
         "activation checkpointing %s%s: %d blocks in %s",
-        cfg.mode, f" ({cfg.selective_ac_option})" if cfg.mode == "selective" else "", wrapped, ", ".join(containers),
+        cfg.mode,
+        f" ({cfg.selective_ac_option})" if cfg.mode == "selective" else "",
+        wrapped,
+        ", ".join(containers),
     )
     return wrapped

@@ -148,9 +148,9 @@ class ExpertParallelExperts(GroupedExperts):
             self.comm_counter.add("all_to_all", self.comm_tag, counts.numel() * counts.element_size())
         dist.all_to_all_single(recv, counts, group=self.ep_group)
         host = torch.cat([counts, recv]).tolist()  # the one host sync of the layer call
-        send_splits = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
-        recv_host = host[self.n_experts:]
-        recv_splits = [sum(recv_host[s * n_local:(s + 1) * n_local]) for s in range(ep)]
+        send_splits = [sum(host[r * n_local : (r + 1) * n_local]) for r in range(ep)]
+        recv_host = host[self.n_experts :]
+        recv_splits = [sum(recv_host[s * n_local : (s + 1) * n_local]) for s in range(ep)]
         return send_splits, recv_splits, recv
 
 

@@ -163,10 +163,18 @@ def apply_fsdp(
 
     default_reshard = reshard_after_forward != "never"
     for fqn, unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=unit_reshard.get(fqn, default_reshard),
-                    shard_placement_fn=placement_fn)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=unit_reshard.get(fqn, default_reshard),
+            shard_placement_fn=placement_fn,
+        )
     fully_shard(
-        model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always",
+        model,
+        mesh=mesh,
+        mp_policy=mp,
+        reshard_after_forward=reshard_after_forward == "always",
         shard_placement_fn=placement_fn,
     )
 

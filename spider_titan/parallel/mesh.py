@@ -150,10 +150,10 @@ def fsdp_problems(cfg: Parallelism, dims: ParallelDims) -> list[str]:
     if cfg.name != "fsdp" or cfg.fsdp != "never":
         return []
     if dims.ep > 1:
-        return ["parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp = \"auto\""]
+        return ['parallelism.expert_parallel_degree > 1 needs FSDP; set parallelism.fsdp = "auto"']
     if dims.world_size > 1:
         return [
             f"parallelism.fsdp: 'never' with WORLD_SIZE={dims.world_size} leaves the ranks' gradients "
-            "unsynchronised; set it to \"auto\" or run one process"
+            'unsynchronised; set it to "auto" or run one process'
         ]
     return []

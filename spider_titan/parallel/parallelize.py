@@ -62,11 +62,17 @@ def unit_reshard_after_forward(
             memory = device_memory_bytes(next(module.parameters()).device)
             if keep_gathered(module, param_dtype, memory, cfg.fsdp_keep_core_gathered_fraction):
                 out[owner] = False
-                logger.info("FSDP2: %s stays gathered between forward and backward (its parameters fit in "
-                            "%g of device memory)", owner, cfg.fsdp_keep_core_gathered_fraction)
+                logger.info(
+                    "FSDP2: %s stays gathered between forward and backward (its parameters fit in %g of device memory)",
+                    owner,
+                    cfg.fsdp_keep_core_gathered_fraction,
+                )
             else:
-                logger.info("FSDP2: %s reshards after forward (its parameters exceed %g of device memory)",
-                            owner, cfg.fsdp_keep_core_gathered_fraction)
+                logger.info(
+                    "FSDP2: %s reshards after forward (its parameters exceed %g of device memory)",
+                    owner,
+                    cfg.fsdp_keep_core_gathered_fraction,
+                )
     for entry in cfg.fsdp_reshard_after_forward_units:
         fqn, sep, value = entry.partition("=")
         if not sep or value.strip().lower() not in ("true", "false"):
@@ -99,7 +105,7 @@ def apply_parallelism(
     if (fsdp or dims.ep_enabled) and meshes is None:
         raise ValueError(
             "parallelism: FSDP / expert parallel need a process group; launch with torchrun "
-            "(WORLD_SIZE > 1) or set parallelism.fsdp = \"auto\""
+            '(WORLD_SIZE > 1) or set parallelism.fsdp = "auto"'
         )
     problems = fsdp_problems(cfg, dims)
     if problems:
@@ -131,20 +137,28 @@ def apply_parallelism(
     if dims.ep_enabled:
         pairs = apply_forward_prefetch(units, _loop_owners(spec))
         if pairs:
-            logger.info("FSDP2 forward prefetch around the core (expert parallel): %s",
-                        ", ".join(f"{a} -> {b}" for a, b in pairs))
+            logger.info(
+                "FSDP2 forward prefetch around the core (expert parallel): %s",
+                ", ".join(f"{a} -> {b}" for a, b in pairs),
+            )
     logger.info(
         "FSDP2 over %s: %d units (%s) + root, params %s, reduce %s",
-        dims.describe(), len(units), ", ".join(f for f, _ in units),
-        str(param_dtype).replace("torch.", ""), str(reduce_dtype).replace("torch.", ""),
+        dims.describe(),
+        len(units),
+        ", ".join(f for f, _ in units),
+        str(param_dtype).replace("torch.", ""),
+        str(reduce_dtype).replace("torch.", ""),
     )
     # Every rank loads its own data ("world" is the data-parallel group; under expert parallel
     # too, the EP ranks of a group hold different tokens). Only under FSDP: the exactness of the
     # gradient rests on FSDP averaging it over these same ranks (moe/layer.py, MoE._stats).
     n = apply_global_batch_statistics(model, meshes["world"].get_group())
     if n:
-        logger.info("global-batch load balancing: %d MoE layers' balance statistics summed over %d "
-                    "data-parallel ranks", n, dims.dp_degree)
+        logger.info(
+            "global-batch load balancing: %d MoE layers' balance statistics summed over %d data-parallel ranks",
+            n,
+            dims.dp_degree,
+        )
     return hooks
 
 

@@ -97,8 +97,8 @@ def check_fp8_capability() -> None:
     cap = torch.cuda.get_device_capability()
     if cap < (8, 9):
         raise ValueError(
-            f"model.converters = [\"float8\"]: {torch.cuda.get_device_name()} has CUDA capability "
-            f"{cap[0]}.{cap[1]}, fp8 needs 8.9 or newer (Ada, Hopper, Blackwell); remove \"float8\" from "
+            f'model.converters = ["float8"]: {torch.cuda.get_device_name()} has CUDA capability '
+            f'{cap[0]}.{cap[1]}, fp8 needs 8.9 or newer (Ada, Hopper, Blackwell); remove "float8" from '
             "model.converters to train in bf16"
         )
 
@@ -113,7 +113,7 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
     ok, why = torchao_float8_available()
     if not ok:
         if cfg.fallback == "error":
-            raise ValueError(f"float8: {why}; install torchao or set float8.fallback = \"warn\"")
+            raise ValueError(f'float8: {why}; install torchao or set float8.fallback = "warn"')
         logger.warning("float8 disabled: %s; training stays in high precision", why)
         return []
     check_fp8_capability()
@@ -133,11 +133,11 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
         raise ValueError(
             f"float8: {len(report.skipped_by_shape)} linear(s) have an output dim that is not a multiple of 16 "
             f"and cannot be padded: {', '.join(report.skipped_by_shape[:4])}; change the model dims, add them to "
-            "float8.filter_fqns, or set float8.fallback = \"warn\""
+            'float8.filter_fqns, or set float8.fallback = "warn"'
         )
 
     if cfg.enable_fsdp_float8_all_gather and cfg.recipe != "tensorwise":
-        raise ValueError("float8.enable_fsdp_float8_all_gather: needs float8.recipe = \"tensorwise\"")
+        raise ValueError('float8.enable_fsdp_float8_all_gather: needs float8.recipe = "tensorwise"')
     # pad_inner_dim for every recipe: the shape filter above let unaligned inner dims through on
     # that promise (CPU kernels accept them, GPU _scaled_mm does not).
     fp8_config = dataclasses.replace(
@@ -151,9 +151,13 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
     report.fp8_experts = _apply_fp8_experts(model, cfg)
     logger.info(
         "float8 (%s): converted %d linears, skipped %d by filter (%s)%s, fp8 experts in %d MoE layers",
-        cfg.recipe, len(report.converted), len(report.skipped_by_filter),
+        cfg.recipe,
+        len(report.converted),
+        len(report.skipped_by_filter),
         ", ".join(sorted({f for f in cfg.filter_fqns if any(f in s for s in report.skipped_by_filter)})),
-        f", {len(report.skipped_by_shape)} by shape: {', '.join(report.skipped_by_shape)}" if report.skipped_by_shape else "",
+        f", {len(report.skipped_by_shape)} by shape: {', '.join(report.skipped_by_shape)}"
+        if report.skipped_by_shape
+        else "",
         report.fp8_experts,
     )
     hook = build_float8_post_step_hook(model, cfg)
@@ -167,7 +171,10 @@ def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) 
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return _to_fp8_rowwise_then_scaled_grouped_mm(
-        a.to(torch.bfloat16), b.to(torch.bfloat16), offs, out_dtype=a.dtype,
+        a.to(torch.bfloat16),
+        b.to(torch.bfloat16),
+        offs,
+        out_dtype=a.dtype,
         pad_token_groups_for_grouped_mm=False,
     )
 

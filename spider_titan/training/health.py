@@ -32,8 +32,10 @@ def resume_hint(latest_good: tuple[int, Path] | None, *, saving: bool, command: 
         where = "no checkpoint was saved" if saving else "checkpoint.enable is false, nothing was saved"
         return f"{where}; lower optimizer.lr or set training.skip_nonfinite_steps and start again"
     step, path = latest_good
-    return (f"last good checkpoint {path}; resume from it with: {command} --checkpoint.load_step {step} "
-            "(lower optimizer.lr or set training.skip_nonfinite_steps first)")
+    return (
+        f"last good checkpoint {path}; resume from it with: {command} --checkpoint.load_step {step} "
+        "(lower optimizer.lr or set training.skip_nonfinite_steps first)"
+    )
 
 
 class StepHealth:
@@ -49,8 +51,16 @@ class StepHealth:
 
     NONE = 2**62
 
-    def __init__(self, device: torch.device, *, data: str, skip_limit: int,
-                 latest_good: Callable[[], tuple[int, Path] | None], saving: bool, command: str):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        data: str,
+        skip_limit: int,
+        latest_good: Callable[[], tuple[int, Path] | None],
+        saving: bool,
+        command: str,
+    ):
         self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
         self.first_empty = torch.full((), self.NONE, dtype=torch.int64, device=device)
         self.bad_loss = torch.zeros((), device=device)
@@ -62,8 +72,9 @@ class StepHealth:
         self.saving = saving
         self.command = command
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-               label_tokens: torch.Tensor) -> torch.Tensor:
+    def record(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, label_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """Fold step ``step`` in. Returns "the gradient norm is non-finite": the same on every rank
         (the norm is all-reduced), so every rank takes the same skip decision on it."""
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
@@ -83,10 +94,17 @@ class StepHealth:
             return False
         self.skipped_in_a_row += 1
         if self.skipped_in_a_row > self.skip_limit:
-            self.check(step, why=f"{self.skipped_in_a_row} non-finite steps in a row, "
-                                 f"training.skip_nonfinite_steps = {self.skip_limit}")
-        logger.warning("step %d: non-finite loss or gradient norm; update skipped (%d of at most %d in a row)",
-                       step, self.skipped_in_a_row, self.skip_limit)
+            self.check(
+                step,
+                why=f"{self.skipped_in_a_row} non-finite steps in a row, "
+                f"training.skip_nonfinite_steps = {self.skip_limit}",
+            )
+        logger.warning(
+            "step %d: non-finite loss or gradient norm; update skipped (%d of at most %d in a row)",
+            step,
+            self.skipped_in_a_row,
+            self.skip_limit,
+        )
         self.first_bad.fill_(self.NONE)  # forget the skipped step
         return True
 

@@ -49,7 +49,7 @@ def reduce_metrics(metrics: dict[str, torch.Tensor], world_size: int) -> dict[st
     total = all_reduce_sum(local).tolist()
     lm_loss = total[0] / float(metrics["label_tokens"])
     out = {"loss": lm_loss, "bpb": lm_loss / LN2, "grad_norm": float(metrics["grad_norm"])}
-    out.update({k[len(AUX):]: total[i + 1] / world_size for i, k in enumerate(keys)})
+    out.update({k[len(AUX) :]: total[i + 1] / world_size for i, k in enumerate(keys)})
     return out
 
 
@@ -64,8 +64,18 @@ class Progress:
     ``val_freq`` is None for a run without validation.
     """
 
-    def __init__(self, state: TrainState, training: Training, *, device: torch.device, dp_degree: int,
-                 world_size: int, total_steps: int, flops_per_byte: float, val_freq: int | None):
+    def __init__(
+        self,
+        state: TrainState,
+        training: Training,
+        *,
+        device: torch.device,
+        dp_degree: int,
+        world_size: int,
+        total_steps: int,
+        flops_per_byte: float,
+        val_freq: int | None,
+    ):
         self.state = state
         self.device = device
         self.world_size = world_size
@@ -142,8 +152,13 @@ class Progress:
 
     def val_scalars(self, step: int) -> dict[str, float]:
         """The numbers logged beside a validation's results."""
-        return dict(tokens_seen=self.state.tokens_seen, train_flops=self.state.flops, elapsed_s=self.elapsed(),
-                    total_steps=self.total_steps, eta_s=self.eta(step))
+        return dict(
+            tokens_seen=self.state.tokens_seen,
+            train_flops=self.state.flops,
+            elapsed_s=self.elapsed(),
+            total_steps=self.total_steps,
+            eta_s=self.eta(step),
+        )
 
     def new_interval(self) -> None:
         """Rates start again (after a log or a validation: their time is not training time)."""

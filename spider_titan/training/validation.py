@@ -24,9 +24,19 @@ class Validator:
     """Runs the validation pass over ``loader`` from where it stands now: every pass replays the
     loader from that position, so every pass sees the same batches."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, model_args: Any, loader: ByteDataLoader, cfg: Validation, *,
-                 device: torch.device, autocast: Callable[[], AbstractContextManager], stop: StopSignal,
-                 world_size: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        model_args: Any,
+        loader: ByteDataLoader,
+        cfg: Validation,
+        *,
+        device: torch.device,
+        autocast: Callable[[], AbstractContextManager],
+        stop: StopSignal,
+        world_size: int,
+    ):
         self.model, self.spec, self.model_args, self.loader, self.cfg = model, spec, model_args, loader, cfg
         self.device, self.autocast, self.stop, self.world_size = device, autocast, stop, world_size
         self.start = loader.state_dict()

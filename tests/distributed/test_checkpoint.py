@@ -27,10 +27,24 @@ from tests.utils import REPO, check_ok, run_train, train_losses
 pytestmark = pytest.mark.slow
 
 COMMON = [
-    "--job.config_file", "train_configs/debug_dense.toml",
-    "--training.dataset", "mock", "--training.seq_len", "64", "--training.deterministic", "true",
-    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-    "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.min_lr_factor", "1.0",
+    "--job.config_file",
+    "train_configs/debug_dense.toml",
+    "--training.dataset",
+    "mock",
+    "--training.seq_len",
+    "64",
+    "--training.deterministic",
+    "true",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--validation.enable",
+    "false",
+    "--lr_scheduler.warmup_steps",
+    "3",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
 ]
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false"]
 
@@ -55,8 +69,20 @@ def two_ranks(tmp_path_factory):
     check_ok(run_train(args(root / "resumed", 6, *batch, *CKPT, "--checkpoint.interval", "3"), nprocs=2))
     shutil.copytree(root / "resumed", root / "at_step_6")
     proc = run_train(
-        args(root / "resumed", 12, *batch, *CKPT, "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "2",
-             "--checkpoint.async_mode", "async", "--checkpoint.export_at_end", "true"),
+        args(
+            root / "resumed",
+            12,
+            *batch,
+            *CKPT,
+            "--checkpoint.interval",
+            "3",
+            "--checkpoint.keep_latest_k",
+            "2",
+            "--checkpoint.async_mode",
+            "async",
+            "--checkpoint.export_at_end",
+            "true",
+        ),
         nprocs=2,
     )
     check_ok(proc)
@@ -108,8 +134,9 @@ def test_two_ranks_fall_back_past_a_changed_file_only_one_rank_checks(two_ranks,
         f.seek(f.seek(0, 2) // 2)
         f.write(b"\x7f\xff\xff\xff")
     older = {p.name: p.read_bytes() for p in (tmp_path / "run" / "checkpoint" / "step-3").iterdir()}
-    proc = run_train(args(tmp_path / "run", 8, "--training.local_batch_size", "2", *CKPT,
-                          "--checkpoint.interval", "100"), nprocs=2)
+    proc = run_train(
+        args(tmp_path / "run", 8, "--training.local_batch_size", "2", *CKPT, "--checkpoint.interval", "100"), nprocs=2
+    )
     check_ok(proc)
     assert f"skipping {step6}: {step6 / '__0_0.distcp'}: its contents changed" in proc.stdout, proc.stdout[-3000:]
     assert "step-3 (step 3)" in proc.stdout
@@ -123,8 +150,9 @@ def test_two_rank_checkpoint_loads_in_one_process(two_ranks, tmp_path, in_proces
     """Model, optimizer and data position of the 2-rank step-6 checkpoint, loaded by one process."""
     root, _ = two_ranks
     ckpt = root / "at_step_6" / "checkpoint"
-    cfg = parse_args(args(tmp_path, 12, "--training.local_batch_size", "4",
-                          "--checkpoint.initial_load_path", str(ckpt / "step-6")))
+    cfg = parse_args(
+        args(tmp_path, 12, "--training.local_batch_size", "4", "--checkpoint.initial_load_path", str(ckpt / "step-6"))
+    )
     with torch.random.fork_rng():
         trainer = Trainer(cfg)
     try:
@@ -141,8 +169,14 @@ def test_two_rank_checkpoint_loads_in_one_process(two_ranks, tmp_path, in_proces
                 assert torch.equal(value, saved_optim[f"{fqn}.{key}"]), (fqn, key)
         # the data order: the next batch is global batch 6 of an uninterrupted stream
         assert run.train_loader.samples_consumed == 6 * 4
-        fresh = ByteDataLoader(build_mock_dataset(None, split="train", seed=0), seq_len=64, local_batch_size=4,
-                               dp_rank=0, dp_world_size=1, seed=0)
+        fresh = ByteDataLoader(
+            build_mock_dataset(None, split="train", seed=0),
+            seq_len=64,
+            local_batch_size=4,
+            dp_rank=0,
+            dp_world_size=1,
+            seed=0,
+        )
         it = iter(fresh)
         for _ in range(6):
             next(it)
@@ -192,10 +226,25 @@ sys.exit(train.main(sys.argv[2:]))
 @pytest.mark.parametrize("mode", ["mid-write", "before-commit"])
 def test_killed_during_save_resumes_from_previous(mode, one_rank, tmp_path):
     dump = tmp_path / "crashed"
-    run_args = args(dump, 6, "--training.local_batch_size", "2", *CKPT, "--checkpoint.interval", "2",
-                    "--checkpoint.keep_latest_k", "1")
-    crashed = subprocess.run([sys.executable, "-c", CRASHING_TRAINER, mode, *run_args], cwd=REPO,
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_args = args(
+        dump,
+        6,
+        "--training.local_batch_size",
+        "2",
+        *CKPT,
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "1",
+    )
+    crashed = subprocess.run(
+        [sys.executable, "-c", CRASHING_TRAINER, mode, *run_args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     names = step_folders(dump)
     assert names[0] == "step-2" and len(names) == 2 and names[1].startswith("step-4.tmp-"), names
@@ -212,8 +261,21 @@ def test_killed_during_save_resumes_from_previous(mode, one_rank, tmp_path):
 
 def test_async_checkpoints_equal_sync(one_rank, tmp_path):
     dump = tmp_path / "async"
-    check_ok(run_train(args(dump, 6, "--training.local_batch_size", "2", *CKPT, "--checkpoint.interval", "2",
-                            "--checkpoint.async_mode", "async")))
+    check_ok(
+        run_train(
+            args(
+                dump,
+                6,
+                "--training.local_batch_size",
+                "2",
+                *CKPT,
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.async_mode",
+                "async",
+            )
+        )
+    )
     assert step_folders(dump) == step_folders(one_rank) == ["step-2", "step-4", "step-6"]
     for step in (2, 4):
         a, _ = read_checkpoint_tensors(dump / "checkpoint" / f"step-{step}", "")
@@ -224,8 +286,16 @@ def test_async_checkpoints_equal_sync(one_rank, tmp_path):
 
 
 def test_another_batch_size_says_where_the_data_continues(one_rank, tmp_path, in_process, capsys):
-    cfg = parse_args(args(tmp_path, 6, "--training.local_batch_size", "3",
-                          "--checkpoint.initial_load_path", str(one_rank / "checkpoint" / "step-4")))
+    cfg = parse_args(
+        args(
+            tmp_path,
+            6,
+            "--training.local_batch_size",
+            "3",
+            "--checkpoint.initial_load_path",
+            str(one_rank / "checkpoint" / "step-4"),
+        )
+    )
     with torch.random.fork_rng():
         trainer = Trainer(cfg)
     trainer.close()
@@ -253,12 +323,19 @@ def test_spider_resume_restores_the_rng(tmp_path):
     "extra, needles",
     [
         (["--checkpoint.initial_load_path", "{tmp}/nothing"], ["{tmp}/nothing does not exist"]),
-        (["--checkpoint.enable", "true", "--checkpoint.load_step", "5"],
-         ["checkpoint.load_step = 5", "at or before step 5 in {tmp}/run/checkpoint"]),
-        (["--checkpoint.initial_load_path", "{tmp}/step-4.tmp-0123"], ["{tmp}/step-4.tmp-0123 is not a complete checkpoint"]),
+        (
+            ["--checkpoint.enable", "true", "--checkpoint.load_step", "5"],
+            ["checkpoint.load_step = 5", "at or before step 5 in {tmp}/run/checkpoint"],
+        ),
+        (
+            ["--checkpoint.initial_load_path", "{tmp}/step-4.tmp-0123"],
+            ["{tmp}/step-4.tmp-0123 is not a complete checkpoint"],
+        ),
         (["--checkpoint.initial_load_path", "{ckpt}/step-4", "--model.dim", "64"], ["{ckpt}/step-4", "dim 128 -> 64"]),
-        (["--checkpoint.initial_load_path", "{ckpt}/step-4", "--training.seq_len", "32"],
-         ["{ckpt}/step-4", "seq_len=64 in the checkpoint"]),
+        (
+            ["--checkpoint.initial_load_path", "{ckpt}/step-4", "--training.seq_len", "32"],
+            ["{ckpt}/step-4", "seq_len=64 in the checkpoint"],
+        ),
     ],
     ids=["missing", "missing-step", "partial", "other-model-args", "other-seq-len"],
 )

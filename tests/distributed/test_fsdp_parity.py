@@ -10,9 +10,18 @@ import torch
 from tests.utils import check_ok, run_train, train_losses
 
 COMMON = [
-    "--job.config_file", "train_configs/debug_dense.toml",
-    "--training.dataset", "mock", "--training.steps", "5", "--training.seq_len", "64",
-    "--metrics.log_freq", "1", "--training.deterministic", "true",
+    "--job.config_file",
+    "train_configs/debug_dense.toml",
+    "--training.dataset",
+    "mock",
+    "--training.steps",
+    "5",
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--training.deterministic",
+    "true",
 ]
 
 
@@ -83,30 +92,50 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
         micro = torch.randint(0, 256, (2, 1, 65), generator=torch.Generator().manual_seed(rank))
         grads, tallies = {}, {}
         for no_sync in (False, True):
-            cfg = parse_args(["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true"],
-                             env={"WORLD_SIZE": str(world_size)})
+            cfg = parse_args(
+                ["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true"],
+                env={"WORLD_SIZE": str(world_size)},
+            )
             spec, _, model = build_model(cfg)
             materialize(model, torch.device("cpu"), 0)
             dims = ParallelDims.from_config(cfg.parallelism, world_size)
             counter = CommCounter()
-            apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
-                              param_dtype=torch.float32, reduce_dtype=torch.float32, counter=counter)
+            apply_parallelism(
+                model,
+                spec,
+                dims,
+                dims.build_meshes("cpu"),
+                cfg.parallelism,
+                param_dtype=torch.float32,
+                reduce_dtype=torch.float32,
+                counter=counter,
+            )
             for i, x in enumerate(micro):
                 with maybe_no_grad_sync(model, is_last_microbatch=not no_sync or i == len(micro) - 1):
                     out_ = model(x[:, :-1], sample_ids=torch.tensor([2 * rank + i]))
                     (lm_loss_sum(out_.logits, x[:, 1:]) / 128 + out_.aux_loss / 2).backward()
             tallies[no_sync] = counter.step()
-            grads[no_sync] = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                              for n, p in model.named_parameters() if p.grad is not None}
+            grads[no_sync] = {
+                n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
         assert sorted(grads[False]) == sorted(grads[True]) and len(grads[False]) > 10
         for name, want in grads[False].items():
             torch.testing.assert_close(grads[True][name], want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
         if rank == 0:
-            Path(out).write_text(json.dumps({
-                str(k): {kind: step_total(t, kind) for kind in ("all_gather", "reduce_scatter")} | {
-                    "core_all_gather": step_total(t, "all_gather", "core"),
-                    "core_reduce_scatter": step_total(t, "reduce_scatter", "core")}
-                for k, t in tallies.items()}))
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        str(k): {kind: step_total(t, kind) for kind in ("all_gather", "reduce_scatter")}
+                        | {
+                            "core_all_gather": step_total(t, "all_gather", "core"),
+                            "core_reduce_scatter": step_total(t, "reduce_scatter", "core"),
+                        }
+                        for k, t in tallies.items()
+                    }
+                )
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -136,13 +165,18 @@ def test_unit_reshard_rule_and_overrides():
     units = [("prelude.layers.0", nn.Linear(4, 4)), ("core", nn.Linear(8, 8)), ("coda.layers.0", nn.Linear(4, 4))]
 
     def cfg(policy="default", fraction=0.1, overrides=()):
-        return SimpleNamespace(fsdp_reshard_after_forward=policy, fsdp_keep_core_gathered_fraction=fraction,
-                               fsdp_reshard_after_forward_units=list(overrides))
+        return SimpleNamespace(
+            fsdp_reshard_after_forward=policy,
+            fsdp_keep_core_gathered_fraction=fraction,
+            fsdp_reshard_after_forward_units=list(overrides),
+        )
 
     assert unit_reshard_after_forward(units, ["core"], cfg(), torch.float32) == {"core": False}
     assert unit_reshard_after_forward(units, ["core"], cfg(fraction=0.0), torch.float32) == {}
     assert unit_reshard_after_forward(units, ["core"], cfg(policy="always"), torch.float32) == {}
-    got = unit_reshard_after_forward(units, ["core"], cfg(overrides=["core=true", "coda.layers.0=false"]), torch.float32)
+    got = unit_reshard_after_forward(
+        units, ["core"], cfg(overrides=["core=true", "coda.layers.0=false"]), torch.float32
+    )
     assert got == {"core": True, "coda.layers.0": False}
     with pytest.raises(ValueError, match="is not FQN=true\\|false"):
         unit_reshard_after_forward(units, ["core"], cfg(overrides=["core"]), torch.float32)

@@ -20,18 +20,48 @@ def free_port() -> int:
 def test_two_node_rendezvous_on_localhost(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     args = [
-        "--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-        "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-        "--job.dump_folder", str(tmp_path / "run"),
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.dataset",
+        "mock",
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--validation.enable",
+        "false",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
     ]
     procs = []
     for node in (0, 1):
-        env = {**os.environ, "NGPU": "1", "NNODES": "2", "NODE_RANK": str(node), "RDZV_ENDPOINT": endpoint,
-               "RDZV_ID": f"test-{tmp_path.name}", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-               "PYTHON": sys.executable}
-        procs.append(subprocess.Popen(["bash", "scripts/run_train.sh", *args], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "NGPU": "1",
+            "NNODES": "2",
+            "NODE_RANK": str(node),
+            "RDZV_ENDPOINT": endpoint,
+            "RDZV_ID": f"test-{tmp_path.name}",
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHON": sys.executable,
+        }
+        procs.append(
+            subprocess.Popen(
+                ["bash", "scripts/run_train.sh", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     try:
         for p in procs:

@@ -29,10 +29,26 @@ from spider_titan.parallel.comm_counter import read_comm_counts, step_total
 from tests.utils import REPO, check_ok, read_metrics, run_train
 
 COMMON = [
-    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--model.name", "spider", "--model.flavor", "debug",
-    "--training.dataset", "mock", "--training.steps", "5", "--training.seq_len", "64",
-    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-    "--training.deterministic", "true",
+    "--job.config_file",
+    str(REPO / "train_configs" / "debug_model.toml"),
+    "--model.name",
+    "spider",
+    "--model.flavor",
+    "debug",
+    "--training.dataset",
+    "mock",
+    "--training.steps",
+    "5",
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--validation.enable",
+    "false",
+    "--training.deterministic",
+    "true",
 ]
 TRITON = {"TRITON_INTERPRET": "1"}
 
@@ -40,20 +56,61 @@ TRITON = {"TRITON_INTERPRET": "1"}
 RUNS = {
     "ref": (1, ["--training.local_batch_size", "4"], None),
     "fsdp2": (2, ["--training.local_batch_size", "2", "--parallelism.comm_counter", "true"], None),
-    "fsdp2_loops4": (2, ["--training.local_batch_size", "2", "--parallelism.comm_counter", "true",
-                         "--model.n_loops", "4"], None),
+    "fsdp2_loops4": (
+        2,
+        ["--training.local_batch_size", "2", "--parallelism.comm_counter", "true", "--model.n_loops", "4"],
+        None,
+    ),
     "hsdp2x2": (4, ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2"], None),
     # EP 2 inside FSDP 2 (experts not FSDP-sharded further), with the Triton MoE backend
-    "ep2_fsdp2": (2, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
-                      "--moe.backend", "triton", "--parallelism.comm_counter", "true"], TRITON),
+    "ep2_fsdp2": (
+        2,
+        [
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--moe.backend",
+            "triton",
+            "--parallelism.comm_counter",
+            "true",
+        ],
+        TRITON,
+    ),
     # EP 2 x DP 2: experts split 2 ways and FSDP-sharded over the other 2 ranks; recurrent AC on top
-    "ep2_dp2": (4, ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "2",
-                    "--activation_checkpoint.mode", "recurrent", "--parallelism.comm_counter", "true"], None),
-    "fp8": (2, ["--training.local_batch_size", "2", "--model.converters", "float8",
-                "--parallelism.comm_counter", "true"], None),
-    "fp8_all_gather": (2, ["--training.local_batch_size", "2", "--model.converters", "float8",
-                           "--float8.enable_fsdp_float8_all_gather", "true",
-                           "--parallelism.comm_counter", "true"], None),
+    "ep2_dp2": (
+        4,
+        [
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "recurrent",
+            "--parallelism.comm_counter",
+            "true",
+        ],
+        None,
+    ),
+    "fp8": (
+        2,
+        ["--training.local_batch_size", "2", "--model.converters", "float8", "--parallelism.comm_counter", "true"],
+        None,
+    ),
+    "fp8_all_gather": (
+        2,
+        [
+            "--training.local_batch_size",
+            "2",
+            "--model.converters",
+            "float8",
+            "--float8.enable_fsdp_float8_all_gather",
+            "true",
+            "--parallelism.comm_counter",
+            "true",
+        ],
+        None,
+    ),
 }
 
 
@@ -181,15 +238,27 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
             spec, _, model = build_model(cfg)
             materialize(model, torch.device("cpu"), 0)
             dims = ParallelDims.from_config(cfg.parallelism, world_size)
-            apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
-                              param_dtype=torch.float32, reduce_dtype=torch.float32)
+            apply_parallelism(
+                model,
+                spec,
+                dims,
+                dims.build_meshes("cpu"),
+                cfg.parallelism,
+                param_dtype=torch.float32,
+                reduce_dtype=torch.float32,
+            )
             loss_of(model, batches[rank], dims.dp_degree, torch.tensor([rank])).backward()
             norm = clip_grad_norm_(list(model.parameters()), 0.0)
             for name, p in model.named_parameters():
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 want = ref_grads[name]
-                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-12,
-                                           msg=lambda m, n=name, o=overrides: f"{o} {n}: {m}")
+                torch.testing.assert_close(
+                    g,
+                    want,
+                    rtol=1e-4,
+                    atol=1e-4 * float(want.abs().max()) + 1e-12,
+                    msg=lambda m, n=name, o=overrides: f"{o} {n}: {m}",
+                )
             assert math.isclose(float(norm), float(ref_norm), rel_tol=1e-5), (overrides, float(norm), float(ref_norm))
         dist.barrier()  # all ranks done talking before any tears its gloo group down
     finally:
@@ -211,12 +280,21 @@ def test_gradients_match_one_process():
 @pytest.mark.parametrize(
     "world_size, args, needle",
     [
-        ("4", ["--parallelism.data_parallel_replicate_degree", "3"],
-         "WORLD_SIZE(4) = dp_replicate(3) * dp_shard(-1) has no whole-number dp_shard"),
-        ("4", ["--parallelism.expert_parallel_degree", "4", "--model.n_experts", "6"],
-         "n_experts(6) = experts_per_rank * expert_parallel_degree(4)"),
-        ("1", ["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather", "true"],
-         "float8.enable_fsdp_float8_all_gather: needs FSDP"),
+        (
+            "4",
+            ["--parallelism.data_parallel_replicate_degree", "3"],
+            "WORLD_SIZE(4) = dp_replicate(3) * dp_shard(-1) has no whole-number dp_shard",
+        ),
+        (
+            "4",
+            ["--parallelism.expert_parallel_degree", "4", "--model.n_experts", "6"],
+            "n_experts(6) = experts_per_rank * expert_parallel_degree(4)",
+        ),
+        (
+            "1",
+            ["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather", "true"],
+            "float8.enable_fsdp_float8_all_gather: needs FSDP",
+        ),
     ],
     ids=["world-size", "experts-vs-ep", "fp8-all-gather-without-fsdp"],
 )
@@ -227,7 +305,6 @@ def test_bad_layout_fails_at_start_with_one_line(world_size, args, needle, monke
     assert main(COMMON + args) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], lines
-
 
 
 # ---------------------------------------------------------------- routing replayed by recompute
@@ -264,9 +341,19 @@ def _routing_replay_worker(rank: int, world_size: int, store: str, mode: str) ->
         x = torch.randint(0, 256, (1, 65), generator=torch.Generator().manual_seed(10 + rank))
         grads = {}
         for ac in ("none", "recurrent"):
-            cfg = parse_args(["--model.name", "spider", "--model.flavor", "debug",
-                              "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", ac],
-                             env={"WORLD_SIZE": str(world_size)})
+            cfg = parse_args(
+                [
+                    "--model.name",
+                    "spider",
+                    "--model.flavor",
+                    "debug",
+                    "--parallelism.expert_parallel_degree",
+                    "2",
+                    "--activation_checkpoint.mode",
+                    ac,
+                ],
+                env={"WORLD_SIZE": str(world_size)},
+            )
             spec, _, model = build_model(cfg)
             materialize(model, torch.device("cpu"), 0)
             if mode == "ties":
@@ -274,8 +361,15 @@ def _routing_replay_worker(rank: int, world_size: int, store: str, mode: str) ->
                     if isinstance(m, MoE):
                         m.router.weight.data.zero_()
             dims = ParallelDims.from_config(cfg.parallelism, world_size)
-            apply_parallelism(model, spec, dims, dims.build_meshes("cpu"), cfg.parallelism,
-                              param_dtype=torch.float32, reduce_dtype=torch.float32)
+            apply_parallelism(
+                model,
+                spec,
+                dims,
+                dims.build_meshes("cpu"),
+                cfg.parallelism,
+                param_dtype=torch.float32,
+                reduce_dtype=torch.float32,
+            )
             if ac == "none":  # under EP the core is prefetched one unit ahead, and prefetches the next
                 names = [fqn for fqn, _ in fsdp_units(spec, model)]
                 before, after = names[names.index("core") - 1], names[names.index("core") + 1]
@@ -285,9 +379,13 @@ def _routing_replay_worker(rank: int, world_size: int, store: str, mode: str) ->
             calls = itertools.count()  # both runs see the same sequence of routings in forward
             out = model(x[:, :-1], sample_ids=torch.tensor([rank]))
             (lm_loss_sum(out.logits, x[:, 1:]) / 64 + out.aux_loss).backward()
-            grads[ac] = {n.replace("._checkpoint_wrapped_module", ""):
-                         (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-                         for n, p in model.named_parameters() if p.grad is not None}
+            grads[ac] = {
+                n.replace("._checkpoint_wrapped_module", ""): (
+                    p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                )
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
         ref, got = grads["none"], grads["recurrent"]
         assert sorted(ref) == sorted(got) and any("experts" in n for n in ref)
         for name in ref:

@@ -24,10 +24,26 @@ pytestmark = pytest.mark.slow
 # aux_loss_coeff 0.1 (10x the default) makes the per-rank statistics' error large enough that
 # the negative control fails by a wide margin, not by a hair.
 COMMON = [
-    "--job.config_file", "train_configs/debug_model.toml", "--training.steps", "5", "--training.seq_len", "64",
-    "--training.gradient_accumulation_steps", "2", "--moe.aux_loss_coeff", "0.1",
-    "--metrics.log_freq", "1", "--training.deterministic", "true", "--validation.enable", "false",
-    "--checkpoint.export_at_end", "false", "--metrics.enable_tensorboard", "false",
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.steps",
+    "5",
+    "--training.seq_len",
+    "64",
+    "--training.gradient_accumulation_steps",
+    "2",
+    "--moe.aux_loss_coeff",
+    "0.1",
+    "--metrics.log_freq",
+    "1",
+    "--training.deterministic",
+    "true",
+    "--validation.enable",
+    "false",
+    "--checkpoint.export_at_end",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
 ]
 FOUR_RANKS = ["--training.local_batch_size", "1"]
 
@@ -66,10 +82,27 @@ def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
 
     launcher = tmp_path / "per_rank_statistics.py"
     launcher.write_text(PER_RANK_LAUNCHER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(launcher),
-           *COMMON, *FOUR_RANKS, "--job.dump_folder", str(tmp_path / "per_rank")]
-    per_rank = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(launcher),
+        *COMMON,
+        *FOUR_RANKS,
+        "--job.dump_folder",
+        str(tmp_path / "per_rank"),
+    ]
+    per_rank = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )
     check_ok(per_rank)
     gaps = _relative_gaps(ref, train_losses(tmp_path / "per_rank"))
     assert max(gaps.values()) > 1e-5, gaps

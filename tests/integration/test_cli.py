@@ -35,8 +35,21 @@ FEATURES = [
 def test_feature_runs(overrides, name, nprocs, tmp_path):
     dump = tmp_path / name
     proc = run_train(
-        DENSE + ["--training.dataset", "mock", "--training.steps", "4", "--training.seq_len", "64",
-                 "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)]
+        DENSE
+        + [
+            "--training.dataset",
+            "mock",
+            "--training.steps",
+            "4",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            "--job.dump_folder",
+            str(dump),
+        ]
         + overrides,
         nprocs=nprocs,
     )

@@ -27,11 +27,34 @@ import torch
 from spider_titan.train import main as train_main
 from tests.utils import REPO, check_ok, read_metrics, run_train
 
-ARGS = ["--job.config_file", str(REPO / "train_configs/debug_dense.toml"), "--training.dataset", "mock",
-        "--training.seq_len", "32", "--training.local_batch_size", "1", "--model.n_layers", "1",
-        "--training.deterministic", "true", "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
-        "--metrics.log_freq", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
-        "--checkpoint.last_save_model_only", "false", "--lr_scheduler.warmup_steps", "1"]
+ARGS = [
+    "--job.config_file",
+    str(REPO / "train_configs/debug_dense.toml"),
+    "--training.dataset",
+    "mock",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "1",
+    "--model.n_layers",
+    "1",
+    "--training.deterministic",
+    "true",
+    "--validation.enable",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.last_save_model_only",
+    "false",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
 CHECKPOINT_FILES = [".metadata", "__0_0.distcp", "meta.json"]
 EXPORT_FILES = ["config.json", "model.safetensors"]
 FILES = CHECKPOINT_FILES + EXPORT_FILES
@@ -70,12 +93,27 @@ def base(tmp_path_factory):
     """A 2-step run (checkpoints step-1 and step-2, export of step 2) and the loss at step 3 of the
     same run taken one step further: what any correct resume must reproduce."""
     root = tmp_path_factory.mktemp("fuzz")
-    check_ok(run_train(ARGS + ["--training.steps", "2", "--checkpoint.export_at_end", "true",
-                               "--job.dump_folder", str(root / "run")]))
+    check_ok(
+        run_train(
+            ARGS
+            + ["--training.steps", "2", "--checkpoint.export_at_end", "true", "--job.dump_folder", str(root / "run")]
+        )
+    )
     shutil.copytree(root / "run", root / "reference")
     shutil.rmtree(root / "reference" / "export")
-    check_ok(run_train(ARGS + ["--training.steps", "3", "--checkpoint.export_at_end", "false",
-                               "--job.dump_folder", str(root / "reference")]))
+    check_ok(
+        run_train(
+            ARGS
+            + [
+                "--training.steps",
+                "3",
+                "--checkpoint.export_at_end",
+                "false",
+                "--job.dump_folder",
+                str(root / "reference"),
+            ]
+        )
+    )
     loss3 = [row["loss"] for row in read_metrics(root / "reference") if row.get("step") == 3 and "loss" in row]
     return root / "run", loss3[0]
 
@@ -124,8 +162,9 @@ def test_fuzzed_file(case, base, tmp_path, in_process, capsys):
 
     if name in CHECKPOINT_FILES:
         with torch.random.fork_rng():
-            code = train_main(ARGS + ["--training.steps", "3", "--checkpoint.export_at_end", "false",
-                                      "--job.dump_folder", str(dump)])
+            code = train_main(
+                ARGS + ["--training.steps", "3", "--checkpoint.export_at_end", "false", "--job.dump_folder", str(dump)]
+            )
         out, err = capsys.readouterr()
         if code == 0:  # fell back to step-1 (or the change was harmless): the run is exactly the undamaged one
             assert not err.strip(), (what, err)
@@ -135,18 +174,21 @@ def test_fuzzed_file(case, base, tmp_path, in_process, capsys):
                 assert f"from {dump / 'checkpoint' / 'step-1'} (step 1)" in out, (what, out[-2000:])
         else:
             assert code == 2 and "step-2" in one_line(err)[0], (what, code, err)
-        code, out, err = run_script("export_safetensors", ["--checkpoint", str(damaged), "--out",
-                                                           str(tmp_path / "export")], capsys)
+        code, out, err = run_script(
+            "export_safetensors", ["--checkpoint", str(damaged), "--out", str(tmp_path / "export")], capsys
+        )
         if code == 0:
             assert not err.strip() and "wrote" in out, (what, err)
         else:
             assert str(damaged) in one_line(err)[0], (what, err)
     else:
-        code, out, err = run_script("generate", ["--model", str(dump / "export"), "--prompt", "def ",
-                                                 "--max_new_bytes", "4", "--device", "cpu"], capsys)
+        code, out, err = run_script(
+            "generate",
+            ["--model", str(dump / "export"), "--prompt", "def ", "--max_new_bytes", "4", "--device", "cpu"],
+            capsys,
+        )
         if code == 0:
             assert out.startswith("def ") and not err.strip(), (what, err)
         else:
             assert str(dump / "export") in one_line(err)[0], (what, err)
     assert snapshot(dump / "checkpoint" / "step-1") == older, what
-

@@ -34,10 +34,28 @@ SHARD_CASES, CONFIG_CASES = 70, 85
 
 # Every case runs the debug model on tiny batches; these CLI values (which override the TOML) keep
 # a valid case to a second, whatever the fuzzed TOML says about run length or data.
-FAST = ["--training.steps", "1", "--training.target_tokens", "0", "--training.seq_len", "16",
-        "--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "1",
-        "--training.compile", "false", "--validation.steps", "1", "--validation.local_batch_size", "0",
-        "--checkpoint.export_at_end", "false", "--metrics.enable_tensorboard", "false"]
+FAST = [
+    "--training.steps",
+    "1",
+    "--training.target_tokens",
+    "0",
+    "--training.seq_len",
+    "16",
+    "--training.local_batch_size",
+    "2",
+    "--training.gradient_accumulation_steps",
+    "1",
+    "--training.compile",
+    "false",
+    "--validation.steps",
+    "1",
+    "--validation.local_batch_size",
+    "0",
+    "--checkpoint.export_at_end",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 # ---------------------------------------------------------------- token shards
@@ -55,8 +73,17 @@ def _header(count: int, version: int = HEADER_VERSION, magic: int = HEADER_MAGIC
     return words.tobytes()
 
 
-BAD_KINDS = ["random-bytes", "uint16", "sprinkled", "sprinkled", "truncated", "header-garbage", "pad", "empty",
-             "text-renamed"]
+BAD_KINDS = [
+    "random-bytes",
+    "uint16",
+    "sprinkled",
+    "sprinkled",
+    "truncated",
+    "header-garbage",
+    "pad",
+    "empty",
+    "text-renamed",
+]
 
 
 def _shard_bytes(rnd: random.Random, kind: str) -> bytes:
@@ -76,7 +103,7 @@ def _shard_bytes(rnd: random.Random, kind: str) -> bytes:
         whole = _header(tokens.size) + tokens.astype("<u2").tobytes()
         data = whole[: rnd.randrange(len(whole))]
     elif kind == "header-garbage":
-        header = _header(rnd.randrange(-2**31, 2**31), rnd.choice([0, 1, 2, -1]), HEADER_MAGIC)
+        header = _header(rnd.randrange(-(2**31), 2**31), rnd.choice([0, 1, 2, -1]), HEADER_MAGIC)
         data = header + tokens.astype("<u2").tobytes()
     elif kind == "pad":
         data = np.full(rnd.randint(1, 5000), PAD_ID, dtype="<u2").tobytes()
@@ -93,17 +120,33 @@ def _shard_bytes(rnd: random.Random, kind: str) -> bytes:
 def _shard_case(rnd: random.Random, folder: Path) -> list[str]:
     """1-3 train and 0-2 val shards, all valid or (more often) one of them of a bad kind."""
     data = folder / "data"
-    files = [data / split / f"{split}_{i}.bin" for split, low in (("train", 1), ("val", 0))
-             for i in range(rnd.randint(low, 2 + low))]
+    files = [
+        data / split / f"{split}_{i}.bin"
+        for split, low in (("train", 1), ("val", 0))
+        for i in range(rnd.randint(low, 2 + low))
+    ]
     bad = rnd.randrange(len(files)) if rnd.random() < 0.7 else None
     for i, path in enumerate(files):
         kind = rnd.choice(BAD_KINDS) if i == bad else "valid"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(_shard_bytes(rnd, kind))
-    return ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "bytes",
-            "--training.dataset_path", str(data), "--validation.enable", rnd.choice(["true", "false", "false"]),
-            "--training.num_workers", rnd.choice(["0", "0", "0", "0", "0", "1"]), *FAST,
-            "--training.local_batch_size", "4", "--training.steps", str(rnd.randint(1, 2))]
+    return [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.dataset",
+        "bytes",
+        "--training.dataset_path",
+        str(data),
+        "--validation.enable",
+        rnd.choice(["true", "false", "false"]),
+        "--training.num_workers",
+        rnd.choice(["0", "0", "0", "0", "0", "1"]),
+        *FAST,
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        str(rnd.randint(1, 2)),
+    ]
 
 
 # ---------------------------------------------------------------- configs
@@ -155,10 +198,44 @@ log_freq = 1
 enable_jsonl = true
 """
 # Values spliced into the TOML. No absolute paths and no '..': a fuzzed folder key must stay in the case's folder.
-VALUES = ["-1", "0", "1", "2", "3", "-7", "0.5", "-0.5", "1.5", "nan", "inf", "-inf", "1e309", "2147483648",
-          "18446744073709551616", '""', '"x"', '"auto"', '"none"', '"op"', '"2"', '"full"', '"float8"', "true",
-          "false", "[]", "[1, 2]", '["float8"]', '["x=true"]', "{}", "{a = 1}", "2026-11-23", '"\\u00e9 ✓"',
-          '"' + "y" * 300 + '"', "[[1], 2]", "'''multi\nline'''"]
+VALUES = [
+    "-1",
+    "0",
+    "1",
+    "2",
+    "3",
+    "-7",
+    "0.5",
+    "-0.5",
+    "1.5",
+    "nan",
+    "inf",
+    "-inf",
+    "1e309",
+    "2147483648",
+    "18446744073709551616",
+    '""',
+    '"x"',
+    '"auto"',
+    '"none"',
+    '"op"',
+    '"2"',
+    '"full"',
+    '"float8"',
+    "true",
+    "false",
+    "[]",
+    "[1, 2]",
+    '["float8"]',
+    '["x=true"]',
+    "{}",
+    "{a = 1}",
+    "2026-11-23",
+    '"\\u00e9 ✓"',
+    '"' + "y" * 300 + '"',
+    "[[1], 2]",
+    "'''multi\nline'''",
+]
 
 
 def _fields() -> list[tuple[str, str]]:
@@ -203,16 +280,22 @@ def _config_case(rnd: random.Random, folder: Path) -> list[str]:
         for _ in range(rnd.randint(1, 3)):
             lines = _mutate(rnd, lines) or ["[job]"]
         path.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape"))
-    return ["--job.config_file", str(path), *FAST, "--training.dataset", "bytes",
-            "--training.dataset_path", str(folder.parent / "corpus")]
+    return [
+        "--job.config_file",
+        str(path),
+        *FAST,
+        "--training.dataset",
+        "bytes",
+        "--training.dataset_path",
+        str(folder.parent / "corpus"),
+    ]
 
 
 # ---------------------------------------------------------------- the test
 
-CASES: list[tuple[str, Callable[[random.Random, Path], list[str]]]] = (
-    [(f"shard-{i}", _shard_case) for i in range(SHARD_CASES)]
-    + [(f"config-{i}", _config_case) for i in range(SHARD_CASES, SHARD_CASES + CONFIG_CASES)]
-)
+CASES: list[tuple[str, Callable[[random.Random, Path], list[str]]]] = [
+    (f"shard-{i}", _shard_case) for i in range(SHARD_CASES)
+] + [(f"config-{i}", _config_case) for i in range(SHARD_CASES, SHARD_CASES + CONFIG_CASES)]
 
 
 def _snapshot(roots: list[Path], skip: Path) -> dict[str, tuple[int, int]]:
@@ -220,8 +303,11 @@ def _snapshot(roots: list[Path], skip: Path) -> dict[str, tuple[int, int]]:
     out = {}
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__", ".pytest_cache", ".ruff_cache")
-                           and Path(dirpath, d) != skip]
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if d not in (".git", "__pycache__", ".pytest_cache", ".ruff_cache") and Path(dirpath, d) != skip
+            ]
             for name in filenames:
                 st = os.stat(os.path.join(dirpath, name))
                 out[os.path.join(dirpath, name)] = (st.st_size, st.st_mtime_ns)
@@ -239,8 +325,7 @@ def fuzz_root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case_id, make", CASES, ids=[c for c, _ in CASES])
-def test_fuzzed_input_ends_in_one_clean_line(case_id, make, fuzz_root, in_process, capsys, corpus_cache,
-                                             monkeypatch):
+def test_fuzzed_input_ends_in_one_clean_line(case_id, make, fuzz_root, in_process, capsys, corpus_cache, monkeypatch):
     from spider_titan.data import loader
 
     # The start-up probe reads 8-token blocks instead of 64K: on these KB-sized shards it then

@@ -25,9 +25,27 @@ def test_generate_cli_matches_the_library(tmp_path):
     write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", args), tmp_path, dtype=torch.float32)
 
     proc = subprocess.run(
-        [sys.executable, "scripts/generate.py", "--model", str(tmp_path), "--prompt", "hello", "--max_new_bytes", "12",
-         "--temperature", "0.7", "--top_k", "20", "--seed", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "scripts/generate.py",
+            "--model",
+            str(tmp_path),
+            "--prompt",
+            "hello",
+            "--max_new_bytes",
+            "12",
+            "--temperature",
+            "0.7",
+            "--top_k",
+            "20",
+            "--seed",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr
     loaded, _ = load_model(tmp_path)

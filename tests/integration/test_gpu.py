@@ -10,9 +10,24 @@ from tests.utils import check_ok, run_train, train_losses
 
 pytestmark = pytest.mark.gpu
 
-BASE = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-        "--training.steps", "20", "--training.seq_len", "256", "--metrics.log_freq", "1",
-        "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--training.device", "cuda"]
+BASE = [
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.dataset",
+    "mock",
+    "--training.steps",
+    "20",
+    "--training.seq_len",
+    "256",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.device",
+    "cuda",
+]
 
 
 @pytest.mark.parametrize(
@@ -31,9 +46,22 @@ def test_triton_matches_torch_backend_on_cuda(tmp_path):
     runs = {}
     for backend in ("torch", "triton"):
         dump = tmp_path / backend
-        check_ok(run_train(BASE + ["--moe.backend", backend, "--training.steps", "3",
-                                   "--training.mixed_precision_param", "float32", "--job.dump_folder", str(dump)],
-                           env={"TRITON_INTERPRET": "0"}))
+        check_ok(
+            run_train(
+                BASE
+                + [
+                    "--moe.backend",
+                    backend,
+                    "--training.steps",
+                    "3",
+                    "--training.mixed_precision_param",
+                    "float32",
+                    "--job.dump_folder",
+                    str(dump),
+                ],
+                env={"TRITON_INTERPRET": "0"},
+            )
+        )
         runs[backend] = train_losses(dump)
     for step in runs["torch"]:
         assert runs["triton"][step] == pytest.approx(runs["torch"][step], rel=1e-4)

@@ -19,9 +19,9 @@ import subprocess
 import sys
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -34,9 +34,22 @@ from spider_titan.train import main
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
 from tests.utils import REPO, check_ok, read_metrics, run_train
 
-SPIDER = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
-          "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-          "--validation.enable", "false", "--checkpoint.export_at_end", "false", "--metrics.log_freq", "1"]
+SPIDER = [
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--validation.enable",
+    "false",
+    "--checkpoint.export_at_end",
+    "false",
+    "--metrics.log_freq",
+    "1",
+]
 MOCK = ["--training.dataset", "mock"]
 
 
@@ -114,6 +127,7 @@ def _wrong_types() -> tuple[list[str], list[str]]:
 WRONG_ARGS, WRONG_KEYS = _wrong_types()
 BYTES = ["--training.dataset", "bytes", "--training.dataset_path", "{data}"]
 
+
 def _random_ids(data: Path) -> None:
     bytes_data(data, np.random.default_rng(0).integers(0, 65536, size=4096).astype(np.uint16))
 
@@ -145,38 +159,86 @@ def _truncated_jsonl_gz(data: Path) -> None:
 ROWS = [
     Row("truncated-shard", SPIDER + BYTES, 2, ["{data}/train/data_000000.bin", "odd size"], _truncated),
     Row("all-pad-shards", SPIDER + BYTES, 2, ["{data}/train/data_000000.bin", "every token is PAD"], _all_pad),
-    Row("all-pad-val", SPIDER + BYTES + ["--validation.enable", "true"], 2,
-        ["{data}/val/data_val_000000.bin", "every token is PAD"], _pad_val),
-    Row("pad-only-batch", SPIDER + BYTES + ["--training.local_batch_size", "1", "--training.steps", "50"], 1,
-        ["no label tokens", "train shards under {data}"], _pad_windows),
+    Row(
+        "all-pad-val",
+        SPIDER + BYTES + ["--validation.enable", "true"],
+        2,
+        ["{data}/val/data_val_000000.bin", "every token is PAD"],
+        _pad_val,
+    ),
+    Row(
+        "pad-only-batch",
+        SPIDER + BYTES + ["--training.local_batch_size", "1", "--training.steps", "50"],
+        1,
+        ["no label tokens", "train shards under {data}"],
+        _pad_windows,
+    ),
     Row("empty-folder", SPIDER + BYTES, 2, ["no *.bin token shards under {data}"], _empty),
     Row("missing-folder", SPIDER + BYTES, 2, ["{data}", "does not exist"]),
     Row("wrong-types", SPIDER + WRONG_ARGS, 2, [WRONG_KEYS[0]], extra_lines=len(WRONG_KEYS) - 1),
     Row("unknown-key", SPIDER + ["--training.stepz", "3"], 2, ["training.stepz"]),
     Row("unknown-section", SPIDER + ["--trianing.steps", "3"], 2, ["trianing"]),
     Row("misspelt-backend", SPIDER + ["--moe.backend", "tritn"], 2, ["moe.backend", "tritn", "triton"]),
-    Row("misspelt-ac-mode", SPIDER + ["--activation_checkpoint.mode", "ful"], 2,
-        ["activation_checkpoint.mode", "ful", "full"]),
-    Row("impossible-degrees", SPIDER + ["--parallelism.data_parallel_shard_degree", "3"], 2,
-        ["data_parallel_shard_degree", "WORLD_SIZE"]),
+    Row(
+        "misspelt-ac-mode",
+        SPIDER + ["--activation_checkpoint.mode", "ful"],
+        2,
+        ["activation_checkpoint.mode", "ful", "full"],
+    ),
+    Row(
+        "impossible-degrees",
+        SPIDER + ["--parallelism.data_parallel_shard_degree", "3"],
+        2,
+        ["data_parallel_shard_degree", "WORLD_SIZE"],
+    ),
     Row("missing-config", ["--job.config_file", "train_configs/no_such_job.toml"], 2, ["no_such_job.toml"]),
-    Row("negative-min-lr-factor", SPIDER + MOCK + ["--lr_scheduler.min_lr_factor", "-0.5"], 2,
-        ["lr_scheduler.min_lr_factor = -0.5", "in [0, 1]"]),
-    Row("negative-validation-steps", SPIDER + MOCK + ["--validation.steps", "-7"], 2,
-        ["validation.steps = -7", "-1 (the whole split) or an integer >= 1"]),
+    Row(
+        "negative-min-lr-factor",
+        SPIDER + MOCK + ["--lr_scheduler.min_lr_factor", "-0.5"],
+        2,
+        ["lr_scheduler.min_lr_factor = -0.5", "in [0, 1]"],
+    ),
+    Row(
+        "negative-validation-steps",
+        SPIDER + MOCK + ["--validation.steps", "-7"],
+        2,
+        ["validation.steps = -7", "-1 (the whole split) or an integer >= 1"],
+    ),
     Row("negative-seed", SPIDER + MOCK + ["--training.seed", "-1"], 2, ["training.seed = -1", "in [0, 8388607]"]),
-    Row("seq-len-above-max-seq-len", SPIDER + MOCK + ["--training.seq_len", "4096"], 2,
-        ["training.seq_len = 4096", "model.max_seq_len = 2048", "set model.max_seq_len = 4096"]),
-    Row("ids-outside-the-vocabulary", SPIDER + BYTES, 2,
+    Row(
+        "seq-len-above-max-seq-len",
+        SPIDER + MOCK + ["--training.seq_len", "4096"],
+        2,
+        ["training.seq_len = 4096", "model.max_seq_len = 2048", "set model.max_seq_len = 4096"],
+    ),
+    Row(
+        "ids-outside-the-vocabulary",
+        SPIDER + BYTES,
+        2,
         ["{data}/train/data_000000.bin: token id", "outside the byte vocabulary", "scripts/prepare_data.py"],
-        _random_ids),
-    Row("text-renamed-bin", SPIDER + BYTES, 2,
-        ["{data}/train/data_000000.bin: token id 8289 at byte offset 0", "scripts/prepare_data.py"], _text_as_bin),
-    Row("ids-past-the-probe", SPIDER + BYTES + ["--training.steps", "20"], 1,
-        ["{data}/train/data_000000.bin: token id 300 at byte offset", "scripts/prepare_data.py"], _ids_past_the_probe),
-    Row("text-dataset-truncated-gzip", SPIDER + ["--training.dataset", "text", "--training.dataset_path",
-                                                 "{data}/docs.jsonl.gz"], 2,
-        ["{data}/docs.jsonl.gz: ", "truncated", "gzip -t"], _truncated_jsonl_gz),
+        _random_ids,
+    ),
+    Row(
+        "text-renamed-bin",
+        SPIDER + BYTES,
+        2,
+        ["{data}/train/data_000000.bin: token id 8289 at byte offset 0", "scripts/prepare_data.py"],
+        _text_as_bin,
+    ),
+    Row(
+        "ids-past-the-probe",
+        SPIDER + BYTES + ["--training.steps", "20"],
+        1,
+        ["{data}/train/data_000000.bin: token id 300 at byte offset", "scripts/prepare_data.py"],
+        _ids_past_the_probe,
+    ),
+    Row(
+        "text-dataset-truncated-gzip",
+        SPIDER + ["--training.dataset", "text", "--training.dataset_path", "{data}/docs.jsonl.gz"],
+        2,
+        ["{data}/docs.jsonl.gz: ", "truncated", "gzip -t"],
+        _truncated_jsonl_gz,
+    ),
 ]
 
 
@@ -210,8 +272,22 @@ def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_p
     """lr 1e6: the run stops with exit 1 and one line naming the step and the last good checkpoint;
     no checkpoint on disk holds a non-finite tensor; the same command resumes from that one."""
     dump = tmp_path / "run"
-    cmd = SPIDER + MOCK + ["--optimizer.lr", "1e6", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
-                           "--training.steps", "12", "--job.dump_folder", str(dump)]
+    cmd = (
+        SPIDER
+        + MOCK
+        + [
+            "--optimizer.lr",
+            "1e6",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "1",
+            "--training.steps",
+            "12",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
     proc = run_train(cmd, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -233,8 +309,11 @@ def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_p
 def test_two_ranks_stop_together_at_a_diverged_step(tmp_path):
     """FSDP over 2 ranks: both ranks see the same bad step and stop there; one line, exit 1."""
     dump = tmp_path / "run"
-    proc = run_train(SPIDER + MOCK + ["--optimizer.lr", "1e6", "--training.steps", "12", "--job.dump_folder", str(dump)],
-                     nprocs=2, timeout=300)
+    proc = run_train(
+        SPIDER + MOCK + ["--optimizer.lr", "1e6", "--training.steps", "12", "--job.dump_folder", str(dump)],
+        nprocs=2,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite" in errors[0] and "checkpoint.enable is false" in errors[0], proc.stderr
@@ -254,8 +333,18 @@ def test_skip_nonfinite_steps_skips_then_stops(tmp_path, in_process, capsys, mon
 
     monkeypatch.setattr(train_module, "clip_grad_norm_", poisoned)
     with torch.random.fork_rng():
-        code = main(SPIDER + MOCK + ["--training.steps", "8", "--training.skip_nonfinite_steps", "2",
-                                     "--job.dump_folder", str(tmp_path / "run")])
+        code = main(
+            SPIDER
+            + MOCK
+            + [
+                "--training.steps",
+                "8",
+                "--training.skip_nonfinite_steps",
+                "2",
+                "--job.dump_folder",
+                str(tmp_path / "run"),
+            ]
+        )
     captured = capsys.readouterr()
     assert code == 1
     assert "step 3: non-finite loss or gradient norm; update skipped (1 of at most 2 in a row)" in captured.out
@@ -267,14 +356,43 @@ def test_skip_nonfinite_steps_skips_then_stops(tmp_path, in_process, capsys, mon
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, in_process, capsys):
     dense = tmp_path / "dense"
-    check_ok(run_train(["--job.config_file", "train_configs/debug_dense.toml", *MOCK, "--training.seq_len", "64",
-                        "--training.steps", "1", "--validation.enable", "false", "--checkpoint.enable", "true",
-                        "--checkpoint.last_save_model_only", "false", "--checkpoint.export_at_end", "false",
-                        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dense)]))
+    check_ok(
+        run_train(
+            [
+                "--job.config_file",
+                "train_configs/debug_dense.toml",
+                *MOCK,
+                "--training.seq_len",
+                "64",
+                "--training.steps",
+                "1",
+                "--validation.enable",
+                "false",
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.last_save_model_only",
+                "false",
+                "--checkpoint.export_at_end",
+                "false",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--job.dump_folder",
+                str(dense),
+            ]
+        )
+    )
     before = snapshot(dense)
     with torch.random.fork_rng():
-        code = main(SPIDER + MOCK + ["--checkpoint.initial_load_path", str(dense / "checkpoint"),
-                                     "--job.dump_folder", str(tmp_path / "spider")])
+        code = main(
+            SPIDER
+            + MOCK
+            + [
+                "--checkpoint.initial_load_path",
+                str(dense / "checkpoint"),
+                "--job.dump_folder",
+                str(tmp_path / "spider"),
+            ]
+        )
     err = capsys.readouterr().err
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
@@ -315,12 +433,29 @@ def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, time
 
 def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     dump = tmp_path / "run"
-    cmd = SPIDER + MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "6",
-                           "--job.dump_folder", str(dump)]
+    cmd = (
+        SPIDER
+        + MOCK
+        + [
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "2",
+            "--training.steps",
+            "6",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
     out = tmp_path / "out.txt"
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE_TRAINER, *cmd], cwd=REPO, stdout=f,
-                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_SAVE_TRAINER, *cmd],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         try:
             _wait_for(proc, lambda: "SAVING" in out.read_text(), "second save")
             kept = snapshot(dump / "checkpoint" / "step-2")
@@ -340,10 +475,17 @@ def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
 def test_sigterm_mid_run_saves_and_resumes(tmp_path):
     """Preemption: the step finishes, a checkpoint is written, exit 143; the same command resumes."""
     dump = tmp_path / "run"
-    cmd = SPIDER + MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--job.dump_folder", str(dump)]
-    proc = subprocess.Popen([sys.executable, "-m", "spider_titan.train", *cmd, "--training.steps", "100000"],
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = (
+        SPIDER + MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1000", "--job.dump_folder", str(dump)]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spider_titan.train", *cmd, "--training.steps", "100000"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for(proc, lambda: (dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 3, "three steps")
         proc.send_signal(signal.SIGTERM)
@@ -367,9 +509,24 @@ def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dump = tmp_path / "run"
-    check_ok(run_train(SPIDER + MOCK + ["--training.steps", "2", "--checkpoint.enable", "true",
-                                        "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false",
-                                        "--job.dump_folder", str(dump)]))
+    check_ok(
+        run_train(
+            SPIDER
+            + MOCK
+            + [
+                "--training.steps",
+                "2",
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.last_save_model_only",
+                "false",
+                "--job.dump_folder",
+                str(dump),
+            ]
+        )
+    )
     out = tmp_path / "ckpt.pt"
     dcp_to_torch_save(str(dump / "checkpoint" / "step-2"), str(out))
     state = torch.load(out, weights_only=True)
@@ -380,8 +537,14 @@ def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
 
 # ---------------------------------------------------------------- disk, memory, damaged checkpoints (issue 20)
 
-CKPT = MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "1",
-               "--checkpoint.last_save_model_only", "false"]
+CKPT = MOCK + [
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.last_save_model_only",
+    "false",
+]
 
 
 def _train(args: list[str], dump: Path, capsys) -> tuple[int, str, list[str]]:
@@ -411,10 +574,25 @@ def test_read_only_dump_folder(tmp_path):
     locked.mkdir()
     locked.chmod(0o555)
     try:
-        proc = subprocess.run([sys.executable, "-m", "spider_titan.train", *SPIDER, *MOCK, "--training.steps", "1",
-                               "--job.dump_folder", str(locked / "run")], cwd=REPO, capture_output=True, text=True,
-                              timeout=300, preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spider_titan.train",
+                *SPIDER,
+                *MOCK,
+                "--training.steps",
+                "1",
+                "--job.dump_folder",
+                str(locked / "run"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     finally:
         locked.chmod(0o755)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -511,8 +689,11 @@ def _flipped_bytes(step: Path) -> None:  # same size: only the CRC-32 in meta.js
         f.write(b"\x7f\xff\xff\xff")
 
 
-@pytest.mark.parametrize("damage", [_garbage_meta, _cut_data, _cut_metadata, _flipped_bytes],
-                         ids=["meta.json", "truncated-distcp", "truncated-metadata", "changed-distcp"])
+@pytest.mark.parametrize(
+    "damage",
+    [_garbage_meta, _cut_data, _cut_metadata, _flipped_bytes],
+    ids=["meta.json", "truncated-distcp", "truncated-metadata", "changed-distcp"],
+)
 def test_resume_falls_back_past_a_damaged_newest_checkpoint(damage, tmp_path, in_process, capsys):
     dump = tmp_path / "run"
     assert _train(CKPT + ["--training.steps", "2"], dump, capsys)[0] == 0
@@ -547,8 +728,10 @@ def test_out_of_memory_names_the_step_and_the_knobs(device, tmp_path, in_process
         calls.append(1)
         if len(calls) == 2:
             if device == "cuda":
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-                                             "capacity of 79.10 GiB of which 1.06 GiB is free.")
+                raise torch.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                    "capacity of 79.10 GiB of which 1.06 GiB is free."
+                )
             torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator's own error
         return real_clip(params, max_norm)
 
@@ -590,8 +773,9 @@ def test_export_of_a_truncated_checkpoint_file(tmp_path, in_process, capsys):
     step = dump / "checkpoint" / "step-1"
     _cut_data(step)
     before = snapshot(step)
-    code, out, lines = _script_main("export_safetensors", ["--checkpoint", str(step), "--out", str(tmp_path / "ex")],
-                                    capsys)
+    code, out, lines = _script_main(
+        "export_safetensors", ["--checkpoint", str(step), "--out", str(tmp_path / "ex")], capsys
+    )
     assert code == 1 and len(lines) == 1 and str(step / "__0_0.distcp") in lines[0], lines
     assert "truncated" in lines[0] and "use another step" in lines[0]
     assert not (tmp_path / "ex").exists() and snapshot(step) == before
@@ -620,6 +804,7 @@ def _edit_config(edit: Callable[[dict], None]) -> Callable[[Path], None]:
         config = json.loads((export / "config.json").read_text())
         edit(config)
         (export / "config.json").write_text(json.dumps(config))
+
     return apply
 
 
@@ -630,6 +815,7 @@ def _edit_tensors(edit: Callable[[dict], None]) -> Callable[[Path], None]:
         tensors = safetensors.torch.load_file(export / "model.safetensors")
         edit(tensors)
         safetensors.torch.save_file(tensors, export / "model.safetensors")
+
     return apply
 
 
@@ -637,6 +823,7 @@ def _cut(name: str, size: int) -> Callable[[Path], None]:
     def apply(export: Path) -> None:
         with open(export / name, "r+b") as f:
             f.truncate(size)
+
     return apply
 
 
@@ -650,36 +837,84 @@ GENERATE_ROWS = [
     ("top-k-too-large", ["--top_k", "1000"], None, ["--top_k 1000", "0 (all) to 257"]),
     ("max-new-bytes-negative", ["--max_new_bytes", "-1"], None, ["--max_new_bytes -1"]),
     ("not-a-device", ["--device", "gpu0"], None, ["--device 'gpu0'", "cpu or cuda"]),
-    ("prompt-file-missing", ["--prompt_file", "{export}/no-such-prompt.txt"], None,
-     ["--prompt_file {export}/no-such-prompt.txt", "No such file"]),
-    ("config-bad-json", [], lambda e: (e / "config.json").write_text('{"model": '), ["{export}/config.json",
-                                                                                    "not valid JSON"]),
-    ("config-not-utf8", [], lambda e: (e / "config.json").write_bytes(b"\xff\xfe{}"), ["{export}/config.json",
-                                                                                      "not valid JSON"]),
-    ("config-not-an-object", [], lambda e: (e / "config.json").write_text("[1, 2]"), ["{export}/config.json",
-                                                                                     "not a JSON object"]),
+    (
+        "prompt-file-missing",
+        ["--prompt_file", "{export}/no-such-prompt.txt"],
+        None,
+        ["--prompt_file {export}/no-such-prompt.txt", "No such file"],
+    ),
+    (
+        "config-bad-json",
+        [],
+        lambda e: (e / "config.json").write_text('{"model": '),
+        ["{export}/config.json", "not valid JSON"],
+    ),
+    (
+        "config-not-utf8",
+        [],
+        lambda e: (e / "config.json").write_bytes(b"\xff\xfe{}"),
+        ["{export}/config.json", "not valid JSON"],
+    ),
+    (
+        "config-not-an-object",
+        [],
+        lambda e: (e / "config.json").write_text("[1, 2]"),
+        ["{export}/config.json", "not a JSON object"],
+    ),
     ("config-no-model", [], _edit_config(lambda c: c.pop("model")), ["{export}/config.json", "'model' must hold"]),
-    ("config-missing-arg", [], _edit_config(lambda c: c["model"]["args"].pop("dim")),
-     ["{export}/config.json", "missing 'dim'"]),
-    ("config-unknown-arg", [], _edit_config(lambda c: c["model"]["args"].update(dimm=3)),
-     ["{export}/config.json", "unknown 'dimm'"]),
-    ("config-wrong-type", [], _edit_config(lambda c: c["model"]["args"].update(n_layers="1")),
-     ["{export}/config.json", "'n_layers' is '1', expected a int"]),
-    ("config-bad-value", [], _edit_config(lambda c: c["model"]["args"].update(n_heads=0)),
-     ["{export}/config.json", "build no 'dense' model"]),
-    ("config-unknown-flavor", [], _edit_config(lambda c: c["model"].update(flavor="huge")),
-     ["{export}/config.json", "'huge' is not a flavor of 'dense'"]),
-    ("config-unknown-model", [], _edit_config(lambda c: c["model"].update(name="gpt")),
-     ["{export}/config.json", "unknown model 'gpt'"]),
+    (
+        "config-missing-arg",
+        [],
+        _edit_config(lambda c: c["model"]["args"].pop("dim")),
+        ["{export}/config.json", "missing 'dim'"],
+    ),
+    (
+        "config-unknown-arg",
+        [],
+        _edit_config(lambda c: c["model"]["args"].update(dimm=3)),
+        ["{export}/config.json", "unknown 'dimm'"],
+    ),
+    (
+        "config-wrong-type",
+        [],
+        _edit_config(lambda c: c["model"]["args"].update(n_layers="1")),
+        ["{export}/config.json", "'n_layers' is '1', expected a int"],
+    ),
+    (
+        "config-bad-value",
+        [],
+        _edit_config(lambda c: c["model"]["args"].update(n_heads=0)),
+        ["{export}/config.json", "build no 'dense' model"],
+    ),
+    (
+        "config-unknown-flavor",
+        [],
+        _edit_config(lambda c: c["model"].update(flavor="huge")),
+        ["{export}/config.json", "'huge' is not a flavor of 'dense'"],
+    ),
+    (
+        "config-unknown-model",
+        [],
+        _edit_config(lambda c: c["model"].update(name="gpt")),
+        ["{export}/config.json", "unknown model 'gpt'"],
+    ),
     ("config-deleted", [], lambda e: (e / "config.json").unlink(), ["{export}", "no config.json"]),
     ("weights-truncated", [], _cut("model.safetensors", 5000), ["{export}/model.safetensors", "unreadable"]),
     ("weights-header-cut", [], _cut("model.safetensors", 3), ["{export}/model.safetensors", "unreadable"]),
     ("weights-deleted", [], lambda e: (e / "model.safetensors").unlink(), ["{export}", "model.safetensors"]),
     ("tensor-removed", [], _edit_tensors(lambda t: t.pop(WK)), ["{export}/model.safetensors", WK, "missing"]),
-    ("tensor-reshaped", [], _edit_tensors(lambda t: t.update({WK: t[WK][:1]})),
-     ["{export}/model.safetensors", WK, "has shape"]),
-    ("tensor-nan", [], _edit_tensors(lambda t: t[WK].view(-1).__setitem__(0, float("nan"))),
-     ["{export}/model.safetensors", WK, "NaN or inf"]),
+    (
+        "tensor-reshaped",
+        [],
+        _edit_tensors(lambda t: t.update({WK: t[WK][:1]})),
+        ["{export}/model.safetensors", WK, "has shape"],
+    ),
+    (
+        "tensor-nan",
+        [],
+        _edit_tensors(lambda t: t[WK].view(-1).__setitem__(0, float("nan"))),
+        ["{export}/model.safetensors", WK, "NaN or inf"],
+    ),
 ]
 
 
@@ -690,8 +925,9 @@ def test_generate_hostile_input(row, export_dir, in_process, capsys):
         edit(export_dir)
     before = snapshot(export_dir)
     fill = [f.replace("{export}", str(export_dir)) for f in flags]
-    code, out, lines = _script_main("generate", ["--model", str(export_dir), "--max_new_bytes", "3", "--device", "cpu",
-                                                 *fill], capsys)
+    code, out, lines = _script_main(
+        "generate", ["--model", str(export_dir), "--max_new_bytes", "3", "--device", "cpu", *fill], capsys
+    )
     assert code == 1 and len(lines) == 1 and out == "", (lines, out)
     for needle in needles:
         assert needle.replace("{export}", str(export_dir)) in lines[0], (needle, lines[0])
@@ -710,8 +946,13 @@ def test_generate_takes_any_prompt_bytes(export_dir, tmp_path, in_process, capsy
     stdin (in this process), give the same greedy sample; invalid UTF-8 shows as U+FFFD."""
     prompt = b"caf\xe9 \xffx"
     flags = ["--model", str(export_dir), "--max_new_bytes", "6", "--temperature", "0", "--device", "cpu"]
-    by_arg = subprocess.run([sys.executable, "scripts/generate.py", *flags, "--prompt", prompt], cwd=REPO,
-                            capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    by_arg = subprocess.run(
+        [sys.executable, "scripts/generate.py", *flags, "--prompt", prompt],
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert by_arg.returncode == 0 and by_arg.stderr == b"", by_arg.stderr
     shown = by_arg.stdout.decode("utf-8")
     assert shown.startswith("caf\ufffd \ufffdx")
@@ -730,9 +971,22 @@ def test_disk_full_on_a_real_tmpfs(tmp_path, in_process, capsys):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        dense = ["--job.config_file", "train_configs/debug_dense.toml", "--model.n_layers", "1", "--training.seq_len",
-                 "32", "--training.local_batch_size", "1", "--validation.enable", "false",
-                 "--metrics.enable_tensorboard", "false", "--checkpoint.export_at_end", "false"]
+        dense = [
+            "--job.config_file",
+            "train_configs/debug_dense.toml",
+            "--model.n_layers",
+            "1",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "1",
+            "--validation.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--checkpoint.export_at_end",
+            "false",
+        ]
         with torch.random.fork_rng():
             code = main(dense + CKPT + ["--training.steps", "3", "--job.dump_folder", str(disk / "run")])
         err = capsys.readouterr().err
@@ -757,8 +1011,9 @@ def test_export_to_a_full_disk(tmp_path, in_process, capsys, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "ex"
-    code, _, lines = _script_main("export_safetensors", ["--checkpoint", str(dump / "checkpoint"), "--out", str(out)],
-                                  capsys)
+    code, _, lines = _script_main(
+        "export_safetensors", ["--checkpoint", str(dump / "checkpoint"), "--out", str(out)], capsys
+    )
     assert code == 1 and len(lines) == 1, lines
     assert f"{out}: no space left on device (ENOSPC)" in lines[0] and "--out" in lines[0], lines
     assert not out.exists() and snapshot(dump) == before
@@ -802,16 +1057,41 @@ class _FullDisk:
 
 
 PREPARE_ROWS = [  # (id, how the inputs are made, arguments, what the one line holds, errno injected at the writer)
-    ("truncated-jsonl-gz", lambda d: _docs_gz(d / "in.jsonl.gz", cut=True), ["--input", "{in}/in.jsonl.gz"],
-     ["{in}/in.jsonl.gz: ", "truncated", "gzip -t"], None),
-    ("not-gzip", lambda d: (d / "in.jsonl.gz").write_text('{"text": "plain"}\n'), ["--input", "{in}/in.jsonl.gz"],
-     ["{in}/in.jsonl.gz: is not valid .gz data", "gzip -t"], None),
-    ("out-is-a-file", lambda d: (_docs_gz(d / "in.jsonl.gz"), (d / "out").write_text("mine")),
-     ["--input", "{in}/in.jsonl.gz"], ["--out {in}/out is a file"], None),
-    ("out-disk-full", lambda d: _docs_gz(d / "in.jsonl.gz"), ["--input", "{in}/in.jsonl.gz"],
-     ["--out {in}/out: cannot write the shards (disk full", "free some space"], errno.ENOSPC),
-    ("out-read-only", lambda d: _docs_gz(d / "in.jsonl.gz"), ["--input", "{in}/in.jsonl.gz"],
-     ["--out {in}/out: cannot write the shards (read-only file system", "choose an --out folder"], errno.EROFS),
+    (
+        "truncated-jsonl-gz",
+        lambda d: _docs_gz(d / "in.jsonl.gz", cut=True),
+        ["--input", "{in}/in.jsonl.gz"],
+        ["{in}/in.jsonl.gz: ", "truncated", "gzip -t"],
+        None,
+    ),
+    (
+        "not-gzip",
+        lambda d: (d / "in.jsonl.gz").write_text('{"text": "plain"}\n'),
+        ["--input", "{in}/in.jsonl.gz"],
+        ["{in}/in.jsonl.gz: is not valid .gz data", "gzip -t"],
+        None,
+    ),
+    (
+        "out-is-a-file",
+        lambda d: (_docs_gz(d / "in.jsonl.gz"), (d / "out").write_text("mine")),
+        ["--input", "{in}/in.jsonl.gz"],
+        ["--out {in}/out is a file"],
+        None,
+    ),
+    (
+        "out-disk-full",
+        lambda d: _docs_gz(d / "in.jsonl.gz"),
+        ["--input", "{in}/in.jsonl.gz"],
+        ["--out {in}/out: cannot write the shards (disk full", "free some space"],
+        errno.ENOSPC,
+    ),
+    (
+        "out-read-only",
+        lambda d: _docs_gz(d / "in.jsonl.gz"),
+        ["--input", "{in}/in.jsonl.gz"],
+        ["--out {in}/out: cannot write the shards (read-only file system", "choose an --out folder"],
+        errno.EROFS,
+    ),
 ]
 
 

@@ -7,9 +7,22 @@ import pytest
 from tests.utils import check_ok, run_train, train_losses
 
 COMMON = [
-    "--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-    "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--metrics.log_freq", "1", "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.dataset",
+    "mock",
+    "--training.steps",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
 ]
 
 
@@ -17,8 +30,10 @@ def test_triton_backend_losses_match_torch_backend(tmp_path):
     torch_run = run_train(COMMON + ["--moe.backend", "torch", "--job.dump_folder", str(tmp_path / "torch")])
     check_ok(torch_run)
     # No TRITON_INTERPRET in the environment: the builder must switch the interpreter on for CPU.
-    triton_run = run_train(COMMON + ["--moe.backend", "triton", "--job.dump_folder", str(tmp_path / "triton")],
-                           env={"TRITON_INTERPRET": ""})
+    triton_run = run_train(
+        COMMON + ["--moe.backend", "triton", "--job.dump_folder", str(tmp_path / "triton")],
+        env={"TRITON_INTERPRET": ""},
+    )
     check_ok(triton_run)
     assert "interpreter" in triton_run.stdout
     ref, got = train_losses(tmp_path / "torch"), train_losses(tmp_path / "triton")

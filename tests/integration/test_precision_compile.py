@@ -13,10 +13,25 @@ from tests.utils import train_losses as train_losses_of
 
 def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]:
     cfg = parse_args(
-        ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-         "--training.steps", str(steps), "--training.seq_len", "128", "--training.local_batch_size", "4",
-         "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
-         "--job.dump_folder", str(dump), *args],
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--training.dataset",
+            "mock",
+            "--training.steps",
+            str(steps),
+            "--training.seq_len",
+            "128",
+            "--training.local_batch_size",
+            "4",
+            "--validation.enable",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(dump),
+            *args,
+        ],
         env={},
     )
     trainer = Trainer(cfg)
@@ -46,21 +61,46 @@ def test_fp8_tracks_high_precision_over_30_steps(tmp_path):
 COMPILE_CASES = [("torch", "aux_free", 3, "none"), ("triton", "aux_loss", 2, "none"), ("torch", "both", 2, "recurrent")]
 
 
-@pytest.mark.parametrize("backend, balance, n_loops, ac", COMPILE_CASES,
-                         ids=["-".join(map(str, c)) for c in COMPILE_CASES])
+@pytest.mark.parametrize(
+    "backend, balance, n_loops, ac", COMPILE_CASES, ids=["-".join(map(str, c)) for c in COMPILE_CASES]
+)
 def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, tmp_path):
     """Every block compiled with fullgraph=True (inductor on CPU), 20 steps whose segment counts
     vary batch to batch: no graph break, at most 2 recompiles, losses equal to eager within 1e-4."""
-    args = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-            "--training.steps", "20", "--training.seq_len", "128", "--training.local_batch_size", "4",
-            "--moe.backend", backend, "--moe.load_balance", balance, "--model.n_loops", str(n_loops),
-            "--activation_checkpoint.mode", ac,
-            "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1",
-            "--checkpoint.export_at_end", "false"]
+    args = [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.dataset",
+        "mock",
+        "--training.steps",
+        "20",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "4",
+        "--moe.backend",
+        backend,
+        "--moe.load_balance",
+        balance,
+        "--model.n_loops",
+        str(n_loops),
+        "--activation_checkpoint.mode",
+        ac,
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.export_at_end",
+        "false",
+    ]
     eager = run_train(args + ["--job.dump_folder", str(tmp_path / "eager")])
     check_ok(eager)
-    compiled = run_train(args + ["--training.compile", "true", "--job.dump_folder", str(tmp_path / "compiled")],
-                         env={"TORCH_LOGS": "graph_breaks,recompiles"})
+    compiled = run_train(
+        args + ["--training.compile", "true", "--job.dump_folder", str(tmp_path / "compiled")],
+        env={"TORCH_LOGS": "graph_breaks,recompiles"},
+    )
     check_ok(compiled)
     logs = compiled.stdout + compiled.stderr
     assert "Graph break" not in logs, logs[-5000:]

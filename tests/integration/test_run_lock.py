@@ -26,10 +26,28 @@ from spider_titan.checkpoint.lock import (
 from spider_titan.train import main
 from tests.utils import REPO, read_metrics, run_train
 
-ARGS = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-        "--validation.enable", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "4",
-        "--checkpoint.export_at_end", "false", "--metrics.log_freq", "1"]
+ARGS = [
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.dataset",
+    "mock",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "4",
+    "--checkpoint.export_at_end",
+    "false",
+    "--metrics.log_freq",
+    "1",
+]
 
 
 def holder_pid(dump) -> int | None:
@@ -41,10 +59,27 @@ def holder_pid(dump) -> int | None:
 
 def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
     dump = tmp_path / "run"
-    cmd = [*ARGS, "--training.steps", "8", "--job.dump_folder", str(dump), "--validation.enable", "true",
-           "--validation.freq", "4", "--validation.steps", "1"]
-    first = subprocess.Popen([sys.executable, "-m", "spider_titan.train", *cmd], cwd=REPO, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        *ARGS,
+        "--training.steps",
+        "8",
+        "--job.dump_folder",
+        str(dump),
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "4",
+        "--validation.steps",
+        "1",
+    ]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "spider_titan.train", *cmd],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.time() + 120
         while holder_pid(dump) != first.pid:
@@ -64,8 +99,9 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
         first.kill()
     lines = second.stderr.strip().splitlines()
     assert second.returncode == 2 and len(lines) == 1, second.stderr
-    assert lines[0].startswith(f"error: job.dump_folder: {dump} is in use by another run (pid {first.pid} on "
-                               f"{socket.gethostname()}, started "), lines[0]
+    assert lines[0].startswith(
+        f"error: job.dump_folder: {dump} is in use by another run (pid {first.pid} on {socket.gethostname()}, started "
+    ), lines[0]
     assert "--job.dump_folder <path>" in lines[0] and "wait for it to finish" in lines[0]
     assert "checkpoint: loaded" not in second.stdout and "step " not in second.stdout
     assert first.returncode == 0, err[-3000:]
@@ -78,8 +114,15 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
     # the plot command the run prints works as printed, whatever python is first on PATH
     pytest.importorskip("matplotlib")
     plot = shlex.split(out.split("(plot: ")[1].split(")\n")[0])
-    proc = subprocess.run(plot, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        plot,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0 and (dump / "metrics.png").is_file(), (plot, proc.stderr)
 
 
@@ -99,16 +142,19 @@ def test_two_ranks_both_stop_on_a_folder_in_use(tmp_path):
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     old = {"pid": int(dead.stdout), "host": "elsewhere", "start_time": "2026-11-23T01:02:03+00:00"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(old))
     with caplog.at_level(logging.WARNING, logger="spider_titan"):
         lock = acquire_run_lock(tmp_path, rank=0, distributed=False)
-    assert [r.getMessage() for r in caplog.records] == [(
-        f"run lock: {tmp_path / LOCK_FILE} was left by a run that ended without releasing it "
-        f"(pid {old['pid']} on elsewhere, started 2026-11-23T01:02:03+00:00); taking it over"
-    )]
+    assert [r.getMessage() for r in caplog.records] == [
+        (
+            f"run lock: {tmp_path / LOCK_FILE} was left by a run that ended without releasing it "
+            f"(pid {old['pid']} on elsewhere, started 2026-11-23T01:02:03+00:00); taking it over"
+        )
+    ]
     assert holder_pid(tmp_path) == os.getpid()
     with pytest.raises(RunLockedError, match=f"in use by another run \\(pid {os.getpid()} on "):
         RunLock.acquire(tmp_path)  # held, even against this same process

@@ -41,12 +41,20 @@ class Run:
 
     def __init__(self, args: list[str], *, prefix: list[str] | None = None, env: dict | None = None):
         cmd = [sys.executable, *(prefix or ["-m", "spider_titan.train"]), *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                        for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self.readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for reader in self.readers:
             reader.start()
 
@@ -65,7 +73,9 @@ class Run:
     def wait_for(self, text: str, timeout: float = 240) -> None:
         deadline = time.time() + timeout
         while text not in self.stdout:
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {text!r}:\n{self.stdout[-3000:]}{self.stderr}"
+            assert self.proc.poll() is None, (
+                f"exited {self.proc.returncode} before {text!r}:\n{self.stdout[-3000:]}{self.stderr}"
+            )
             assert time.time() < deadline, f"no {text!r} within {timeout} s:\n{self.stdout[-3000:]}"
             time.sleep(0.05)
 
@@ -114,14 +124,19 @@ def val_rows(dump: Path) -> list[dict]:
     return [row for row in read_metrics(dump) if "val_loss" in row]
 
 
-def test_sigterm_before_the_last_step_skips_the_long_final_validation_and_resume_finishes_it(tmp_path, in_process,
-                                                                                                capsys):
+def test_sigterm_before_the_last_step_skips_the_long_final_validation_and_resume_finishes_it(
+    tmp_path, in_process, capsys
+):
     """The signal comes after step 3 of 4 was logged: the last step is trained, its (minutes-long)
     validation and the export are skipped, a full checkpoint at step 4 is saved, exit 143. The same
     command then runs the final validation, final save and export: equal to a run never stopped."""
     dump, ref = tmp_path / "run", tmp_path / "ref"
-    common = SPIDER + MOCK + CKPT + ["--training.steps", "4", "--validation.freq", "1000",
-                                     "--checkpoint.export_at_end", "true"]
+    common = (
+        SPIDER
+        + MOCK
+        + CKPT
+        + ["--training.steps", "4", "--validation.freq", "1000", "--checkpoint.export_at_end", "true"]
+    )
     with Run(common + LONG_VAL + ["--job.dump_folder", str(dump)]) as run:
         run.wait_for(logged(3, 4))
         t0 = time.time()
@@ -141,7 +156,9 @@ def test_sigterm_before_the_last_step_skips_the_long_final_validation_and_resume
     assert "step 4, the last, is trained: its validation, final save and export follow" in resumed
     run_here(common + short_val + ["--job.dump_folder", str(ref)], capsys)
     assert [r["val_loss"] for r in val_rows(dump)] == [r["val_loss"] for r in val_rows(ref)]
-    assert [r["loss"] for r in read_metrics(dump) if "loss" in r] == [r["loss"] for r in read_metrics(ref) if "loss" in r]
+    assert [r["loss"] for r in read_metrics(dump) if "loss" in r] == [
+        r["loss"] for r in read_metrics(ref) if "loss" in r
+    ]
     got, want = load_export_tensors(dump / "export"), load_export_tensors(ref / "export")
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
 
@@ -165,22 +182,30 @@ def test_sigterm_during_validation_mid_run_abandons_it_and_saves(tmp_path, in_pr
 
 def worker_pid(launcher: int, rank: int) -> int:
     """The pid of torchrun's worker with ``RANK=rank``."""
-    children = [int(pid) for task in Path(f"/proc/{launcher}/task").iterdir()
-                for pid in (task / "children").read_text().split()]
+    children = [
+        int(pid) for task in Path(f"/proc/{launcher}/task").iterdir() for pid in (task / "children").read_text().split()
+    ]
     for pid in children:
         if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
             return pid
     raise AssertionError(f"no worker with RANK={rank} among {children}")
 
 
-@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
-                    reason="finds torchrun's workers through /proc/<pid>/task/<tid>/children")
+@pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+    reason="finds torchrun's workers through /proc/<pid>/task/<tid>/children",
+)
 def test_sigterm_to_one_rank_during_validation_stops_both_at_the_same_batch(tmp_path):
     """Only rank 1 is signalled: the stop flag is all-reduced before every validation batch, so
     rank 0 abandons the same validation, both write the step-2 checkpoint together, both exit 143."""
     dump = tmp_path / "run"
-    cmd = SPIDER + MOCK + CKPT + LONG_VAL + ["--training.steps", "6", "--validation.freq", "2",
-                                             "--job.dump_folder", str(dump)]
+    cmd = (
+        SPIDER
+        + MOCK
+        + CKPT
+        + LONG_VAL
+        + ["--training.steps", "6", "--validation.freq", "2", "--job.dump_folder", str(dump)]
+    )
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "spider_titan.train"]
     with Run(cmd, prefix=torchrun) as run:
         run.wait_for(logged(2, 6))
@@ -217,8 +242,19 @@ def test_sigterm_during_the_final_export_exits_0_with_the_checkpoint_and_the_com
     saying the export is incomplete with the command that writes it; the previous export stays
     byte-identical and nothing half-written is left beside it. The command printed then works."""
     dump = tmp_path / "run"
-    cmd = SPIDER + MOCK + CKPT + ["--checkpoint.export_at_end", "true", "--checkpoint.last_save_model_only", "false",
-                                  "--job.dump_folder", str(dump)]
+    cmd = (
+        SPIDER
+        + MOCK
+        + CKPT
+        + [
+            "--checkpoint.export_at_end",
+            "true",
+            "--checkpoint.last_save_model_only",
+            "false",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
     run_here(cmd + ["--training.steps", "2"], capsys)
     previous = snapshot(dump / "export")
     with Run(cmd + ["--training.steps", "4"], prefix=["-c", SLOW_EXPORT_TRAINER]) as run:
@@ -235,8 +271,7 @@ def test_sigterm_during_the_final_export_exits_0_with_the_checkpoint_and_the_com
     assert "Traceback" not in run.stderr, run.stderr
 
     write = lines[0].split("write it with: ", 1)[1]
-    done = subprocess.run(write, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          check=False)
+    done = subprocess.run(write, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     check_ok(done)
     assert read_export_config(dump / "export")["step"] == 4
 
@@ -265,8 +300,7 @@ sys.exit(train.main())
 """
 
 
-def test_a_second_sigterm_exits_at_once_without_a_traceback_and_keeps_the_last_checkpoint(tmp_path, in_process,
-                                                                                              capsys):
+def test_a_second_sigterm_exits_at_once_without_a_traceback_and_keeps_the_last_checkpoint(tmp_path, in_process, capsys):
     dump = tmp_path / "run"
     cmd = SPIDER + MOCK + ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
     with Run(cmd + ["--training.steps", "100000"], prefix=["-c", SLOW_SAVE_TRAINER]) as run:

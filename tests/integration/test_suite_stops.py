@@ -25,19 +25,49 @@ VICTIM_ENV = "SPIDER_TITAN_SIGTERM_VICTIM"
 @pytest.mark.skipif(VICTIM_ENV not in os.environ, reason="only run by test_sigterm_stops_the_suite")
 def test_victim_trains_for_a_long_time(in_process):
     with torch.random.fork_rng():
-        main(["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock",
-              "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "100000",
-              "--metrics.log_freq", "1", "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
-              "--checkpoint.export_at_end", "false", "--job.dump_folder", os.environ[VICTIM_ENV]])
+        main(
+            [
+                "--job.config_file",
+                "train_configs/debug_model.toml",
+                "--training.dataset",
+                "mock",
+                "--training.seq_len",
+                "64",
+                "--training.local_batch_size",
+                "2",
+                "--training.steps",
+                "100000",
+                "--metrics.log_freq",
+                "1",
+                "--validation.enable",
+                "false",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--checkpoint.export_at_end",
+                "false",
+                "--job.dump_folder",
+                os.environ[VICTIM_ENV],
+            ]
+        )
 
 
 def test_sigterm_stops_the_suite(tmp_path):
     dump = tmp_path / "victim"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"{__file__}::test_victim_trains_for_a_long_time"],
-        cwd=REPO, env={**os.environ, VICTIM_ENV: str(dump), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_victim_trains_for_a_long_time",
+        ],
+        cwd=REPO,
+        env={**os.environ, VICTIM_ENV: str(dump), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.time() + 120

@@ -14,8 +14,14 @@ MODES = [("full", "op"), ("selective", "op"), ("selective", "2"), ("recurrent", 
 
 def grads_for(model_name: str, mode: str, option: str, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
     cfg = parse_args(
-        ["--model.name", model_name, "--activation_checkpoint.mode", mode,
-         "--activation_checkpoint.selective_ac_option", option],
+        [
+            "--model.name",
+            model_name,
+            "--activation_checkpoint.mode",
+            mode,
+            "--activation_checkpoint.selective_ac_option",
+            option,
+        ],
         env={},
     )
     spec, _, model = build_model(cfg)
@@ -24,8 +30,11 @@ def grads_for(model_name: str, mode: str, option: str, inputs: torch.Tensor) -> 
     out = model(inputs)
     loss = lm_loss_mean(out.logits, inputs.roll(-1, 1)) + out.aux_loss
     loss.backward()
-    return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()
-            if p.grad is not None}
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("model_name", ["dense", "spider"])

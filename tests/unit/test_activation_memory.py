@@ -22,8 +22,19 @@ def test_counter_sees_saved_and_output_storages_once():
 
 
 def live_bytes(mode: str, n_loops: int) -> int:
-    cfg = parse_args(["--model.name", "spider", "--model.n_loops", str(n_loops), "--model.max_loops", "8",
-                      "--activation_checkpoint.mode", mode], env={})
+    cfg = parse_args(
+        [
+            "--model.name",
+            "spider",
+            "--model.n_loops",
+            str(n_loops),
+            "--model.max_loops",
+            "8",
+            "--activation_checkpoint.mode",
+            mode,
+        ],
+        env={},
+    )
     _, _, model = build_model(cfg)
     materialize(model, torch.device("cpu"), 0)
     x = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))

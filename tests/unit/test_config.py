@@ -73,8 +73,16 @@ def test_problems_are_collected_together(tmp_path):
     path = write(tmp_path, "[training]\nseq_len = 'long'\n[bogus]\nx = 1\n")
     with pytest.raises(ConfigError) as info:
         parse_args(
-            ["--job.config_file", path, "--training.stepz", "3", "--activation_checkpoint.mode", "most",
-             "--optimizer.name", "SGD"],
+            [
+                "--job.config_file",
+                path,
+                "--training.stepz",
+                "3",
+                "--activation_checkpoint.mode",
+                "most",
+                "--optimizer.name",
+                "SGD",
+            ],
             env={},
         )
     problems = info.value.problems
@@ -87,8 +95,10 @@ def test_problems_are_collected_together(tmp_path):
 
 def test_parallel_degrees_checked_against_world_size():
     with pytest.raises(ConfigError, match=r"dp_replicate\(2\) \* dp_shard\(2\) = 4 != WORLD_SIZE\(6\)"):
-        parse_args(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
-                   env={"WORLD_SIZE": "6"})
+        parse_args(
+            ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+            env={"WORLD_SIZE": "6"},
+        )
     cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2"], env={"WORLD_SIZE": "4"})
     assert cfg.parallelism.data_parallel_shard_degree == -1
 
@@ -193,8 +203,13 @@ def test_print_config_round_trips_and_builds_nothing(tmp_path, capsys, monkeypat
         raise AssertionError("--print_config must not build a Trainer")
 
     monkeypatch.setattr(train, "Trainer", no_trainer)
-    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-            "--training.steps", "5", "--model.n_loops=3"]
+    argv = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--training.steps",
+        "5",
+        "--model.n_loops=3",
+    ]
     assert train.main(argv + ["--print_config"]) == 0
     out = capsys.readouterr().out
     cfg = parse_args(argv)
@@ -246,8 +261,10 @@ BAD_VALUES = [
     (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree"),
     (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
     (["--parallelism.fsdp_keep_core_gathered_fraction", "1.5"], "parallelism.fsdp_keep_core_gathered_fraction"),
-    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
-     "activation_checkpoint.selective_ac_option"),
+    (
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+        "activation_checkpoint.selective_ac_option",
+    ),
     (["--moe.aux_loss_coeff", "-1"], "moe.aux_loss_coeff"),
     (["--moe.bias_update_rate", "-1e-3"], "moe.bias_update_rate"),
     (["--checkpoint.interval", "0"], "checkpoint.interval"),

@@ -13,11 +13,16 @@ from spider_titan import errors
 from spider_titan.errors import WriteFailed, describe_failure, describe_os_error, find_os_error, is_out_of_memory
 
 
-@pytest.mark.parametrize("code, named", [(errno.ENOSPC, "no space left on device (ENOSPC)"),
-                                         (errno.EDQUOT, "disk quota exceeded (EDQUOT)"),
-                                         (errno.EROFS, "read-only file system (EROFS)"),
-                                         (errno.EACCES, "permission denied (EACCES)"),
-                                         (errno.EPERM, "operation not permitted (EPERM)")])
+@pytest.mark.parametrize(
+    "code, named",
+    [
+        (errno.ENOSPC, "no space left on device (ENOSPC)"),
+        (errno.EDQUOT, "disk quota exceeded (EDQUOT)"),
+        (errno.EROFS, "read-only file system (EROFS)"),
+        (errno.EACCES, "permission denied (EACCES)"),
+        (errno.EPERM, "operation not permitted (EPERM)"),
+    ],
+)
 def test_each_disk_error_is_named_with_its_fix(code, named):
     e = OSError(code, os.strerror(code), "/data/run/config.toml")
     line = describe_failure(e, "start-up")

@@ -48,10 +48,26 @@ def trained(tmp_path_factory):
     """The dense debug model after 3 steps, with its final model-only checkpoint and export."""
     dump = tmp_path_factory.mktemp("trained")
     argv = [
-        "--job.config_file", "train_configs/debug_dense.toml", "--training.dataset", "mock",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
-        "--metrics.enable_tensorboard", "false", "--validation.enable", "false", "--job.dump_folder", str(dump),
-        "--checkpoint.enable", "true", "--checkpoint.export_at_end", "true",
+        "--job.config_file",
+        "train_configs/debug_dense.toml",
+        "--training.dataset",
+        "mock",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "3",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--validation.enable",
+        "false",
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.export_at_end",
+        "true",
     ]
     log = logging.getLogger("spider_titan")
     with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():
@@ -69,8 +85,12 @@ def trained(tmp_path_factory):
 
 def test_export_loads_with_safetensors_alone(trained):
     model, dump = trained
-    proc = subprocess.run([sys.executable, "-c", LOAD_ALONE, str(dump / "export" / "model.safetensors")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_ALONE, str(dump / "export" / "model.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     expected = model.state_dict()
     assert json.loads(proc.stdout) == {k: [list(v.shape), "torch.float32"] for k, v in expected.items()}
@@ -97,9 +117,22 @@ def test_script_exports_bf16_shards(trained, tmp_path):
     model, dump = trained
     out = tmp_path / "bf16"
     proc = subprocess.run(
-        [sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(dump / "checkpoint"), "--out", str(out),
-         "--dtype", "bfloat16", "--max_shard_size", "500000"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "scripts/export_safetensors.py",
+            "--checkpoint",
+            str(dump / "checkpoint"),
+            "--out",
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--max_shard_size",
+            "500000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / INDEX_FILE).read_text())
@@ -117,9 +150,18 @@ def test_script_exports_bf16_shards(trained, tmp_path):
 
 def test_script_reports_a_missing_checkpoint(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(tmp_path / "none"),
-         "--out", str(tmp_path / "x")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "scripts/export_safetensors.py",
+            "--checkpoint",
+            str(tmp_path / "none"),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     expected = f"export_safetensors: error: checkpoint: {tmp_path / 'none'} does not exist"
@@ -141,13 +183,18 @@ def test_float8_linears_export_their_high_precision_weights(tmp_path):
     plain = {k: v.clone() for k, v in model.state_dict().items()}
     # fp8 all-gather wraps each converted weight in a tensor subclass, the hardest case to export
     float8.convert_to_float8_training(
-        model, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        model,
+        config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True),
         module_filter_fn=lambda mod, fqn: "lm_head" not in fqn,
     )
     assert type(model.layers[0].attention.wq).__name__ == "Float8Linear"
     assert type(model.layers[0].attention.wq.weight).__name__ != "Parameter"
-    write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", args, ["float8"]), tmp_path / "e",
-                 dtype=torch.float32)
+    write_export(
+        full_model_state_dict(model),
+        ModelIdentity.of("dense", "debug", args, ["float8"]),
+        tmp_path / "e",
+        dtype=torch.float32,
+    )
     tensors = load_export_tensors(tmp_path / "e")
     assert tensors.keys() == plain.keys()
     assert all(type(t) is torch.Tensor and torch.equal(t, plain[k]) for k, t in tensors.items())
@@ -206,7 +253,7 @@ def test_generate_greedy_follows_argmax(trained):
     with torch.no_grad():
         for byte in out:
             logits = model(torch.tensor([ids])).logits[0, -1]
-            candidates = torch.cat([logits[:256], logits[EOS_ID:EOS_ID + 1]])  # bytes, then EOS
+            candidates = torch.cat([logits[:256], logits[EOS_ID : EOS_ID + 1]])  # bytes, then EOS
             assert int(candidates.argmax()) == byte
             ids.append(byte)
     sampled = [generate(model, b"the ", max_new_bytes=6, temperature=0.9, seed=3) for _ in range(2)]
@@ -244,8 +291,14 @@ def dense_identity() -> ModelIdentity:
 
 
 def export_script(checkpoint, out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(checkpoint),
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "scripts/export_safetensors.py", "--checkpoint", str(checkpoint), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_script_refuses_the_checkpoint_folder_and_the_run_folder(trained):
@@ -262,8 +315,10 @@ def test_script_refuses_the_checkpoint_folder_and_the_run_folder(trained):
         assert lines[0].endswith(f"give a folder of its own, e.g. {dump / 'export'}") and "wrote" not in proc.stdout
         assert snapshot(dump) == before
     # the same from a step folder, and for a folder inside the checkpoint folder (in this process)
-    for checkpoint, out, needle in [(dump / "checkpoint" / "step-3", dump / "checkpoint", "is"),
-                                    (dump / "checkpoint", dump / "checkpoint" / "step-3" / "e", "lies inside")]:
+    for checkpoint, out, needle in [
+        (dump / "checkpoint" / "step-3", dump / "checkpoint", "is"),
+        (dump / "checkpoint", dump / "checkpoint" / "step-3" / "e", "lies inside"),
+    ]:
         with pytest.raises(ValueError, match=f"^--out: {out} {needle} the checkpoint folder"):
             export_checkpoint(checkpoint, out, dtype=torch.float32, origin="--out")
         assert snapshot(dump) == before
@@ -293,8 +348,7 @@ def test_a_folder_of_other_files_is_refused_and_kept(trained, tmp_path):
     assert (out / "notes.txt").read_text() == "mine" and torch.equal(load_export_tensors(out)["w"], torch.ones(2))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not an export folder"):
-        write_export({"w": torch.zeros(2)}, dense_identity(), tmp_path / "file",
-                     dtype=torch.float32)
+        write_export({"w": torch.zeros(2)}, dense_identity(), tmp_path / "file", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
@@ -306,8 +360,9 @@ def test_reexport_replaces_its_own_export_whole(tmp_path, monkeypatch, exchange)
     identity = dense_identity()
     out = tmp_path / "e"
     out.mkdir()  # an empty folder is fine
-    write_export({"a": torch.ones(3), "b": torch.ones(2)}, identity, out, dtype=torch.float32, step=1,
-                 max_shard_bytes=8)
+    write_export(
+        {"a": torch.ones(3), "b": torch.ones(2)}, identity, out, dtype=torch.float32, step=1, max_shard_bytes=8
+    )
     assert (out / INDEX_FILE).is_file() and json.loads((out / export.MARKER_FILE).read_text())["step"] == 1
     write_export({"a": torch.zeros(3)}, identity, out, dtype=torch.float32, step=2)
     assert sorted(p.name for p in out.iterdir()) == [export.MARKER_FILE, "config.json", "model.safetensors"]
@@ -346,10 +401,25 @@ def test_make_sample_reads_the_run_of_config_and_args(trained):
     comes under a line saying where it is from. Run with this interpreter's venv, installing nothing."""
     _, dump = trained
     venv = Path(sys.prefix)
-    make = ["make", "-s", "-o", str(venv / ".spider_titan_installed"), "-o", str(venv / "bin" / "python"),
-            f"VENV={venv}", "CONFIG=train_configs/debug_dense.toml", f"ARGS=--job.dump_folder {shlex.quote(str(dump))}"]
-    proc = subprocess.run([*make, "sample", "SAMPLE_ARGS=--max_new_bytes 5 --temperature 0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, check=False)
+    make = [
+        "make",
+        "-s",
+        "-o",
+        str(venv / ".spider_titan_installed"),
+        "-o",
+        str(venv / "bin" / "python"),
+        f"VENV={venv}",
+        "CONFIG=train_configs/debug_dense.toml",
+        f"ARGS=--job.dump_folder {shlex.quote(str(dump))}",
+    ]
+    proc = subprocess.run(
+        [*make, "sample", "SAMPLE_ARGS=--max_new_bytes 5 --temperature 0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     label, sample = proc.stdout.splitlines()[:2]
     assert label == f"sample from {dump}/export (prompt 'def '):" and sample.startswith("def ")

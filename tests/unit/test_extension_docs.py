@@ -14,9 +14,26 @@ from spider_titan.train import main
 from tests.utils import REPO, check_ok, run_train, train_losses
 
 DOC = REPO / "docs" / "extension.md"
-SMALL = ["--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--validation.enable", "false", "--checkpoint.enable", "false", "--checkpoint.export_at_end", "false",
-         "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1", "--training.dataset", "mock"]
+SMALL = [
+    "--training.steps",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--checkpoint.export_at_end",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--training.dataset",
+    "mock",
+]
 
 
 def blocks() -> list[str]:
@@ -40,7 +57,7 @@ def examples(tmp_path, monkeypatch):
     for block in blocks():
         first = block.splitlines()[0]
         if first.startswith("# file: "):
-            path = tmp_path / first[len("# file: "):]
+            path = tmp_path / first[len("# file: ") :]
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(block)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -49,7 +66,9 @@ def examples(tmp_path, monkeypatch):
     yield tmp_path
     for kind, table in saved.items():
         registry.COMPONENTS[kind] = table
-    for name in [m for m in sys.modules if m.split(".")[0] in ("ext_models", "ext_converters", "ext_moe", "ext_parallel")]:
+    for name in [
+        m for m in sys.modules if m.split(".")[0] in ("ext_models", "ext_converters", "ext_moe", "ext_parallel")
+    ]:
         del sys.modules[name]
 
 
@@ -65,8 +84,22 @@ def test_every_example_has_a_file_and_a_registration():
 
 def test_model_example_trains(examples, tmp_path, in_process):
     register("model")
-    assert main(["--job.config_file", "train_configs/debug_dense.toml", "--model.name", "bigram",
-                 "--model.n_layers", "3", "--job.dump_folder", str(tmp_path / "run"), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "--job.config_file",
+                "train_configs/debug_dense.toml",
+                "--model.name",
+                "bigram",
+                "--model.n_layers",
+                "3",
+                "--job.dump_folder",
+                str(tmp_path / "run"),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(list(losses.values()))))
 
@@ -93,8 +126,20 @@ def test_converter_example_swaps_linears_and_refreshes_scales(examples, tmp_path
     stale = lin.scale.clone()
     hooks[0]()  # after an optimizer step: the scales follow the weights
     assert torch.allclose(lin.scale, 2.0 * stale)
-    assert main(["--job.config_file", "train_configs/debug_model.toml", "--model.converters", "int8_qat",
-                 "--job.dump_folder", str(tmp_path / "run"), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "--job.config_file",
+                "train_configs/debug_model.toml",
+                "--model.converters",
+                "int8_qat",
+                "--job.dump_folder",
+                str(tmp_path / "run"),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
 
 
 def test_moe_backend_example_matches_the_reference(examples):

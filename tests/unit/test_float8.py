@@ -34,8 +34,9 @@ def test_converted_modules_follow_the_filter(model_name):
 
 
 def test_custom_filter_skips_more():
-    cfg = parse_args(["--model.name", "dense", "--model.converters", "float8", "--float8.filter_fqns", "lm_head,wq"],
-                     env={})
+    cfg = parse_args(
+        ["--model.name", "dense", "--model.converters", "float8", "--float8.filter_fqns", "lm_head,wq"], env={}
+    )
     _, _, model = build_model(cfg)
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert all(k == "Linear" for n, k in kinds.items() if "wq" in n or "lm_head" in n)
@@ -44,8 +45,18 @@ def test_custom_filter_skips_more():
 
 def test_unpaddable_dim_errors_or_skips_as_configured():
     # dim 120: wq/wo/w2 outputs are not multiples of 16
-    base = ["--model.name", "dense", "--model.dim", "120", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-            "--model.converters", "float8"]
+    base = [
+        "--model.name",
+        "dense",
+        "--model.dim",
+        "120",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "2",
+        "--model.converters",
+        "float8",
+    ]
     with pytest.raises(ValueError, match="multiple of 16"):
         build_model(parse_args(base + ["--float8.fallback", "error"], env={}))
     _, _, model = build_model(parse_args(base + ["--float8.fallback", "warn"], env={}))
@@ -70,8 +81,10 @@ def test_float8_is_chosen_by_one_list():
     assert any(type(m).__name__ == "Float8Linear" for m in model.modules())
     _, _, model = build_model(parse_args([], env={}))
     assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
-    renamed = {("--training.precision", "fp8"): "model.converters = [\"float8\"]",
-               ("--parallelism.fsdp_enabled", "auto"): "renamed to parallelism.fsdp"}
+    renamed = {
+        ("--training.precision", "fp8"): 'model.converters = ["float8"]',
+        ("--parallelism.fsdp_enabled", "auto"): "renamed to parallelism.fsdp",
+    }
     for old, replacement in renamed.items():
         with pytest.raises(ConfigError) as e:
             parse_args(list(old), env={})
@@ -131,8 +144,23 @@ def test_fp8_grouped_experts_close_to_bf16_on_hopper():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_every_recipe_gets_pad_inner_dim(recipe):
     """The shape filter converts linears with unaligned inner dims only because they get padded."""
-    cfg = parse_args(["--model.name", "dense", "--model.dim", "120", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-                      "--model.converters", "float8", "--float8.recipe", recipe], env={})
+    cfg = parse_args(
+        [
+            "--model.name",
+            "dense",
+            "--model.dim",
+            "120",
+            "--model.n_heads",
+            "4",
+            "--model.n_kv_heads",
+            "2",
+            "--model.converters",
+            "float8",
+            "--float8.recipe",
+            recipe,
+        ],
+        env={},
+    )
     _, _, model = build_model(cfg)
     w1 = model.get_submodule("layers.0.feed_forward.w1")  # 120 -> 352: inner dim 120 needs padding
     assert type(w1).__name__ == "Float8Linear" and w1.config.pad_inner_dim
@@ -166,8 +194,18 @@ def test_fp8_on_an_a100_stops_the_trainer_with_one_line(monkeypatch, capsys, in_
 
     _pretend_gpu(monkeypatch, (8, 0))
     dump = tmp_path / "run"
-    code = main(["--model.converters", "float8", "--training.device", "cpu", "--training.steps", "1",
-                 "--job.dump_folder", str(dump)])
+    code = main(
+        [
+            "--model.converters",
+            "float8",
+            "--training.device",
+            "cpu",
+            "--training.steps",
+            "1",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert "NVIDIA A100-SXM4-80GB" in err[0] and "8.0" in err[0] and "fp8 needs 8.9" in err[0]

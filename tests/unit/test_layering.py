@@ -92,7 +92,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             node, children = stack[-1]
             for child in children:
                 if state.get(child) == 1:
-                    return path[path.index(child):] + [child]
+                    return path[path.index(child) :] + [child]
                 if not state.get(child) and child in graph:
                     state[child] = 1
                     path.append(child)

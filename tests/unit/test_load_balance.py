@@ -94,9 +94,22 @@ def test_registry_hands_the_update_to_the_builder_as_a_post_step_hook():
     from spider_titan.config.manager import parse_args as parse
 
     def hooks(mode):
-        cfg = parse(["--model.name", "spider", "--training.dataset", "mock", "--training.seq_len", "64",
-                     "--moe.load_balance", mode], env={})
-        return build_run(cfg, rank=0, world_size=1, dump_folder=__import__("pathlib").Path("/tmp/unused")).post_step_hooks
+        cfg = parse(
+            [
+                "--model.name",
+                "spider",
+                "--training.dataset",
+                "mock",
+                "--training.seq_len",
+                "64",
+                "--moe.load_balance",
+                mode,
+            ],
+            env={},
+        )
+        return build_run(
+            cfg, rank=0, world_size=1, dump_folder=__import__("pathlib").Path("/tmp/unused")
+        ).post_step_hooks
 
     assert hooks("aux_loss") == []
     (update,) = hooks("aux_free")

@@ -45,8 +45,9 @@ def _reference_samples(flat: np.ndarray, seed: int, first: int, count: int) -> n
 
 
 def _loader(ds, *, batch=2, rank=0, world=1, seed=0, workers=0) -> ByteDataLoader:
-    return ByteDataLoader(ds, seq_len=SEQ, local_batch_size=batch, dp_rank=rank, dp_world_size=world, seed=seed,
-                          num_workers=workers)
+    return ByteDataLoader(
+        ds, seq_len=SEQ, local_batch_size=batch, dp_rank=rank, dp_world_size=world, seed=seed, num_workers=workers
+    )
 
 
 def _take(loader: ByteDataLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -162,8 +163,9 @@ def test_too_little_data_names_the_numbers():
 
 def test_token_dataset_pickles_memmaps_as_paths(tmp_path):
     tokens = np.arange(500, dtype=np.uint16)
-    ds = TokenDataset([read_shard(write_shard(tmp_path / "a.bin", tokens, header=True)), tokens[:7]],
-                      description="pickled")
+    ds = TokenDataset(
+        [read_shard(write_shard(tmp_path / "a.bin", tokens, header=True)), tokens[:7]], description="pickled"
+    )
     payload = pickle.dumps(ds)
     assert len(payload) < tokens.nbytes  # the shard travels as its path
     clone = pickle.loads(payload)
@@ -294,8 +296,9 @@ def test_start_up_probe_names_the_file_offset_and_value_of_an_id_outside_the_voc
     write_shard(tmp_path / "val" / "v.bin", np.array(encode("hello"), dtype=np.uint16))
     with pytest.raises(DataError) as info:
         build_bytes_dataset(str(tmp_path), split="train", seed=0)
-    assert str(info.value).startswith(f"{tmp_path / 'train' / 'notes.bin'}: token id {ord('p') | ord('l') << 8} "
-                                      "at byte offset 0 ")
+    assert str(info.value).startswith(
+        f"{tmp_path / 'train' / 'notes.bin'}: token id {ord('p') | ord('l') << 8} at byte offset 0 "
+    )
     assert "scripts/prepare_data.py" in str(info.value) and "\n" not in str(info.value)
 
     tokens = np.array(encode("x" * 3000), dtype=np.uint16)

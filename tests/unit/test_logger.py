@@ -13,15 +13,29 @@ PREFIX = len("[rank0] 20:04:15 ")
 
 
 def test_a_step_with_many_figures_is_split_into_short_lines():
-    scalars = {"loss": 3.0466, "bpb": 4.3954, "lr": 2.82e-3, "grad_norm": 0.2543, "tokens_per_s": 10128.0,
-               "tflops": 0.0364, "memory_gib": 0.57, "elapsed_s": 15.0, "eta_s": 46.0, "total_steps": 300,
-               "tokens_seen": 153600, "train_flops": 5.369e11, "flops_per_byte": 3.577e6}
+    scalars = {
+        "loss": 3.0466,
+        "bpb": 4.3954,
+        "lr": 2.82e-3,
+        "grad_norm": 0.2543,
+        "tokens_per_s": 10128.0,
+        "tflops": 0.0364,
+        "memory_gib": 0.57,
+        "elapsed_s": 15.0,
+        "eta_s": 46.0,
+        "total_steps": 300,
+        "tokens_seen": 153600,
+        "train_flops": 5.369e11,
+        "flops_per_byte": 3.577e6,
+    }
     figures = {f"model_figure_{i}": i / 7 for i in range(12)}
     lines = ConsoleLogger().lines(75, {**scalars, **figures})
     gpu = ConsoleLogger().lines(75, {**scalars, "mfu": 0.412})  # the core fields wrap too
     assert gpu[0].endswith("| mfu 41.2%") and gpu[1:] == ["    mem 0.57GiB"]
-    assert lines[0] == ("step  75/300 | elapsed 15s | eta 46s | loss 3.0466 | bpb 4.3954 | lr 2.82e-03 | "
-                        "grad_norm 0.2543 | tok/s 10,128 | tflops 0.0364 | mem 0.57GiB")
+    assert lines[0] == (
+        "step  75/300 | elapsed 15s | eta 46s | loss 3.0466 | bpb 4.3954 | lr 2.82e-03 | "
+        "grad_norm 0.2543 | tok/s 10,128 | tflops 0.0364 | mem 0.57GiB"
+    )
     assert all(len(line) <= CONSOLE_WIDTH for line in lines) and PREFIX + CONSOLE_WIDTH <= 160
     assert len(lines) > 2 and all(line.startswith("    model_figure_") for line in lines[1:])
     shown = " | ".join(lines)
@@ -32,12 +46,23 @@ def test_a_step_with_many_figures_is_split_into_short_lines():
 
 
 def test_a_validation_line_has_the_step_total_and_eta():
-    val = {"val_loss": 2.9865, "val_bpb": 4.3086, "val_loss_loops1": 2.9862, "val_bpb_loops1": 4.3082,
-           "val_mean_loops": 2.0, "elapsed_s": 21.0, "eta_s": 41.0, "total_steps": 300, "tokens_seen": 1,
-           "train_flops": 7.2e11}
+    val = {
+        "val_loss": 2.9865,
+        "val_bpb": 4.3086,
+        "val_loss_loops1": 2.9862,
+        "val_bpb_loops1": 4.3082,
+        "val_mean_loops": 2.0,
+        "elapsed_s": 21.0,
+        "eta_s": 41.0,
+        "total_steps": 300,
+        "tokens_seen": 1,
+        "train_flops": 7.2e11,
+    }
     lines = ConsoleLogger().lines(100, val)
-    assert lines == ["step 100/300 | elapsed 21s | eta 41s | val_loss 2.9865 | val_bpb 4.3086",
-                     "    val_bpb_loops1 4.3082 | val_mean_loops 2.0000"]  # a variant's loss is its bpb x ln 2
+    assert lines == [
+        "step 100/300 | elapsed 21s | eta 41s | val_loss 2.9865 | val_bpb 4.3086",
+        "    val_bpb_loops1 4.3082 | val_mean_loops 2.0000",
+    ]  # a variant's loss is its bpb x ln 2
 
 
 def test_shell_command_names_paths_that_work_from_here(tmp_path, monkeypatch):

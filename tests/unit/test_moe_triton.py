@@ -218,7 +218,9 @@ def test_layer_under_autocast_computes_in_bf16(monkeypatch):
     seen = {"expand": [], "mm": []}
     real_expand, real_mm = triton_backend._expand, layer_mod._raw_grouped_mm
     monkeypatch.setattr(triton_backend, "_expand", lambda x, *a: seen["expand"].append(x.dtype) or real_expand(x, *a))
-    monkeypatch.setattr(layer_mod, "_raw_grouped_mm", lambda a, b, o: seen["mm"].append((a.dtype, b.dtype)) or real_mm(a, b, o))
+    monkeypatch.setattr(
+        layer_mod, "_raw_grouped_mm", lambda a, b, o: seen["mm"].append((a.dtype, b.dtype)) or real_mm(a, b, o)
+    )
     torch.manual_seed(0)
     moe = MoE(16, 4, 2, 32, align=16).to(DEVICE)
     moe.init_weights(0.3, 0.3)

@@ -17,8 +17,9 @@ from spider_titan.parallel.mesh import ParallelDims, use_fsdp
 
 
 def dims(world: int, rep: int = 1, shard: int = -1, ep: int = 1) -> ParallelDims:
-    cfg = SimpleNamespace(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
-                          expert_parallel_degree=ep)
+    cfg = SimpleNamespace(
+        data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard, expert_parallel_degree=ep
+    )
     return ParallelDims.from_config(cfg, world, check=False)
 
 
@@ -48,8 +49,12 @@ def test_each_inconsistency_is_one_line_with_the_equation(world, rep, shard, ep,
     problems = dims(world, rep, shard, ep).problems()
     assert len(problems) == 1 and needle in problems[0] and "\n" not in problems[0], problems
     with pytest.raises(ValueError, match=r"parallelism"):
-        ParallelDims.from_config(SimpleNamespace(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
-                                                 expert_parallel_degree=ep), world)
+        ParallelDims.from_config(
+            SimpleNamespace(
+                data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard, expert_parallel_degree=ep
+            ),
+            world,
+        )
 
 
 def test_expert_major_index_reorders_rank_major_rows():
@@ -100,8 +105,19 @@ def test_comm_counter_closes_a_step_per_post_step_hook(tmp_path, in_process):
     from spider_titan.config.manager import parse_args
     from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE
 
-    cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.comm_counter", "true",
-                      "--training.dataset", "mock", "--validation.enable", "false"], env={})
+    cfg = parse_args(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--parallelism.comm_counter",
+            "true",
+            "--training.dataset",
+            "mock",
+            "--validation.enable",
+            "false",
+        ],
+        env={},
+    )
     run = build_run(cfg, rank=0, world_size=1, dump_folder=tmp_path)
     counters = [h.__self__ for h in run.post_step_hooks if isinstance(getattr(h, "__self__", None), CommCounter)]
     assert len(counters) == 1

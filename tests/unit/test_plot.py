@@ -30,12 +30,33 @@ def _write_run(folder: Path, rows: list[dict]) -> Path:
 def _spider_rows() -> list[dict]:
     rows = []
     for step in range(1, 41):
-        rows.append({"step": step, "loss": 5.0 / step, "bpb": 7.0 / step, "tokens_per_s": 1000.0 + step, "lr": 1e-3,
-                     "grad_norm": 1.0 / step, "bytes_per_segment": 4.0, "mean_loops": 1.5, "expert_load_min": 0.1,
-                     "expert_load_max": 0.3, "moe_aux_loss": 1.0, "tokens_seen": 512 * step, "memory_gib": 0.5})
+        rows.append(
+            {
+                "step": step,
+                "loss": 5.0 / step,
+                "bpb": 7.0 / step,
+                "tokens_per_s": 1000.0 + step,
+                "lr": 1e-3,
+                "grad_norm": 1.0 / step,
+                "bytes_per_segment": 4.0,
+                "mean_loops": 1.5,
+                "expert_load_min": 0.1,
+                "expert_load_max": 0.3,
+                "moe_aux_loss": 1.0,
+                "tokens_seen": 512 * step,
+                "memory_gib": 0.5,
+            }
+        )
         if step % 10 == 0:
-            rows.append({"step": step, "val_loss": 4.0 / step, "val_bpb": 6.0 / step, "val_bpb_loops1": 6.5 / step,
-                         "val_bytes_per_segment": 4.5})
+            rows.append(
+                {
+                    "step": step,
+                    "val_loss": 4.0 / step,
+                    "val_bpb": 6.0 / step,
+                    "val_bpb_loops1": 6.5 / step,
+                    "val_bytes_per_segment": 4.5,
+                }
+            )
     return rows
 
 
@@ -53,8 +74,15 @@ def test_draws_a_png_with_a_panel_per_key_group(plot, tmp_path, capsys):
     assert "memory_gib" in capsys.readouterr().out  # keys without a panel are named
 
     assert plot.panel_names(plot.numeric_keys(plot.read_metrics(spider))) == [
-        "loss", "bits per byte", "throughput (tokens/s)", "learning rate", "grad norm", "bytes / segment",
-        "loops", "expert load", "aux losses",
+        "loss",
+        "bits per byte",
+        "throughput (tokens/s)",
+        "learning rate",
+        "grad norm",
+        "bytes / segment",
+        "loops",
+        "expert load",
+        "aux losses",
     ]
     assert plot.panel_names(plot.numeric_keys(plot.read_metrics(dense))) == ["loss", "throughput (tokens/s)"]
     panels = dict((title, keys) for title, keys, _ in plot.plot_panels(plot.numeric_keys(_spider_rows())))

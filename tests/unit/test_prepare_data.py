@@ -26,7 +26,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
 
 def _inputs(tmp_path: Path) -> tuple[list[Path], list[str]]:
     """A .jsonl, a .txt and a folder (with a file that must be skipped); returns inputs and all documents."""
-    jsonl_docs = [f"json document {i}: ünïcode ✓ \"quoted\"\nsecond line" * (i + 1) for i in range(30)]
+    jsonl_docs = [f'json document {i}: ünïcode ✓ "quoted"\nsecond line' * (i + 1) for i in range(30)]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in jsonl_docs) + "\n")
     txt = "plain text file\n" * 50
     (tmp_path / "b.txt").write_text(txt)
@@ -72,8 +72,10 @@ def test_round_trip_gives_back_the_text(tmp_path, fmt):
 
 def test_split_depends_on_the_seed_only(tmp_path):
     inputs, _ = _inputs(tmp_path)
-    runs = {name: prepare_shards(inputs, tmp_path / name, val_fraction=0.3, seed=seed)
-            for name, seed in (("a", 0), ("b", 0), ("c", 1))}
+    runs = {
+        name: prepare_shards(inputs, tmp_path / name, val_fraction=0.3, seed=seed)
+        for name, seed in (("a", 0), ("b", 0), ("c", 1))
+    }
     assert _decoded_documents(tmp_path / "a" / "val") == _decoded_documents(tmp_path / "b" / "val")
     assert _decoded_documents(tmp_path / "a" / "val") != _decoded_documents(tmp_path / "c" / "val")
     assert runs["a"]["splits"] == runs["b"]["splits"]
@@ -167,7 +169,7 @@ def _corpus(tmp_path: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
         (perl / rel).write_text(text)
     pm_docs = [PERL_FILES[r] for r in sorted(PERL_FILES, key=lambda r: Path(r).parts) if r.endswith((".pm", ".pod"))]
 
-    gz_docs = [f"gzip doc {i}: ✓ \"q\"\n" + "abc " * (30 * i) for i in range(9)] + [""]
+    gz_docs = [f'gzip doc {i}: ✓ "q"\n' + "abc " * (30 * i) for i in range(9)] + [""]
     with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(gz_docs))
 
@@ -187,8 +189,13 @@ def _corpus(tmp_path: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
 
     names = ("docs.jsonl.gz", "docs.jsonl.zst", "data.parquet", "big.txt", "note.txt.gz")
     paths = {name: tmp_path / name for name in names}
-    docs = {"docs.jsonl.gz": gz_docs, "docs.jsonl.zst": zst_docs, "data.parquet": pq_docs, "big.txt": [big],
-            "note.txt.gz": [note]}
+    docs = {
+        "docs.jsonl.gz": gz_docs,
+        "docs.jsonl.zst": zst_docs,
+        "data.parquet": pq_docs,
+        "big.txt": [big],
+        "note.txt.gz": [note],
+    }
     return {"perl": perl, **paths}, {"perl": pm_docs, **docs}
 
 
@@ -220,8 +227,23 @@ def test_every_format_round_trips_and_workers_do_not_change_the_bytes(tmp_path, 
     paths, docs = _corpus(tmp_path)
     order = ["perl", "docs.jsonl.gz", "docs.jsonl.zst", "data.parquet", "big.txt", "note.txt.gz"]
     all_docs = [d for name in order for d in docs[name]]
-    args = ["--input", *(str(paths[n]) for n in order), "--glob", "*.pm", "*.pod", "--format", fmt,
-            "--val_fraction", "0.2", "--seed", "3", "--shard_tokens", "1500", "--progress_s", "0"]
+    args = [
+        "--input",
+        *(str(paths[n]) for n in order),
+        "--glob",
+        "*.pm",
+        "*.pod",
+        "--format",
+        fmt,
+        "--val_fraction",
+        "0.2",
+        "--seed",
+        "3",
+        "--shard_tokens",
+        "1500",
+        "--progress_s",
+        "0",
+    ]
     for workers in (1, 2):
         _script().main([*args, "--out", str(tmp_path / f"w{workers}"), "--workers", str(workers)])
 
@@ -274,15 +296,19 @@ def _error_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "no-match": (["--input", str(tmp_path / "only_txt"), "--glob", "*.pm"], "no input matched"),
         "missing-path": (["--input", str(tmp_path / "nope.txt")], f"{tmp_path / 'nope.txt'} does not exist"),
         "jsonl-without-key": (["--input", str(tmp_path / "nokey.jsonl")], "nokey.jsonl:2: no string 'text' field"),
-        "parquet-without-column": (["--input", str(tmp_path / "t.parquet"), "--text_key", "content"],
-                                   "no column 'content'"),
+        "parquet-without-column": (
+            ["--input", str(tmp_path / "t.parquet"), "--text_key", "content"],
+            "no column 'content'",
+        ),
         "missing-pyarrow": (["--input", str(tmp_path / "t.parquet")], "pyarrow: pip install -e '.[data]'"),
         "missing-zstandard": (["--input", str(tmp_path / "d.jsonl.zst")], "zstandard: pip install -e '.[data]'"),
     }
 
 
-@pytest.mark.parametrize("case", ["no-match", "missing-path", "jsonl-without-key", "parquet-without-column",
-                                  "missing-pyarrow", "missing-zstandard"])
+@pytest.mark.parametrize(
+    "case",
+    ["no-match", "missing-path", "jsonl-without-key", "parquet-without-column", "missing-pyarrow", "missing-zstandard"],
+)
 def test_user_errors_are_one_line(tmp_path, monkeypatch, case):
     if case.startswith("parquet") or case == "missing-pyarrow":
         pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
@@ -303,14 +329,46 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, case):
 def test_training_runs_on_prepared_shards(tmp_path):
     paths, _ = _corpus(tmp_path)
     out = tmp_path / "data"
-    _script().main(["--input", str(paths["perl"]), str(paths["docs.jsonl.gz"]), str(paths["data.parquet"]),
-                    "--glob", "*.pm", "*.pod", "--out", str(out), "--val_fraction", "0.1", "--workers", "2"])
-    proc = run_train([
-        "--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "bytes",
-        "--training.dataset_path", str(out), "--training.steps", "2", "--validation.enable", "false",
-        "--checkpoint.export_at_end", "false", "--metrics.enable_tensorboard", "false",
-        "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "run"),
-    ], timeout=300)
+    _script().main(
+        [
+            "--input",
+            str(paths["perl"]),
+            str(paths["docs.jsonl.gz"]),
+            str(paths["data.parquet"]),
+            "--glob",
+            "*.pm",
+            "*.pod",
+            "--out",
+            str(out),
+            "--val_fraction",
+            "0.1",
+            "--workers",
+            "2",
+        ]
+    )
+    proc = run_train(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--training.dataset",
+            "bytes",
+            "--training.dataset_path",
+            str(out),
+            "--training.steps",
+            "2",
+            "--validation.enable",
+            "false",
+            "--checkpoint.export_at_end",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--training.seq_len",
+            "64",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ],
+        timeout=300,
+    )
     check_ok(proc)
 
 

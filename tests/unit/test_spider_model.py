@@ -88,11 +88,22 @@ def causality_gaps(model: Spider, ids: torch.Tensor, *, train: bool, seed: int, 
 # predictors that make the segmentation ragged / extreme.
 BOUNDARY_CONFIGS = {
     "cosine_ratio": {"boundary_predictor": "cosine", "boundary_loss": "ratio", "boundary_noise": "none"},
-    "cosine_ste": {"boundary_predictor": "cosine", "boundary_loss": "ratio", "boundary_noise": "none", "boundary_ste": True},
+    "cosine_ste": {
+        "boundary_predictor": "cosine",
+        "boundary_loss": "ratio",
+        "boundary_noise": "none",
+        "boundary_ste": True,
+    },
     "cosine_hinge_gumbel": {"boundary_predictor": "cosine", "boundary_loss": "hinge", "boundary_noise": "gumbel"},
     "mlp_ratio": {"boundary_predictor": "mlp", "boundary_loss": "ratio", "boundary_noise": "none"},
-    "mlp_hinge_gumbel_act": {"boundary_predictor": "mlp", "boundary_loss": "hinge", "boundary_noise": "gumbel",
-                             "boundary_standardize": False, "boundary_ste": True, "halting": "act"},
+    "mlp_hinge_gumbel_act": {
+        "boundary_predictor": "mlp",
+        "boundary_loss": "hinge",
+        "boundary_noise": "gumbel",
+        "boundary_standardize": False,
+        "boundary_ste": True,
+        "halting": "act",
+    },
     "fixed": {"boundary_predictor": "fixed"},
 }
 
@@ -107,7 +118,9 @@ def test_causality(monkeypatch, predictor, train):
         monkeypatch.setattr(model.boundary_predictor, "forward", constant_predictor(20.0))
     for seed in range(2):
         ids = sample_ids(seed)
-        for u, before, after in causality_gaps(model, ids, train=train, seed=seed, positions=[0, 3, 11, 19, 26, 33, 39]):
+        for u, before, after in causality_gaps(
+            model, ids, train=train, seed=seed, positions=[0, 3, 11, 19, 26, 33, 39]
+        ):
             assert before < 1e-5, f"seed {seed}, u={u}: logits before u moved by {before}"
             assert after > 1e-4, f"seed {seed}, u={u}: changing byte u changed nothing (vacuous test)"
 
@@ -220,8 +233,10 @@ def test_engram_hash_matches_reference():
             chunk = ids[b, lo : end + 1].tolist()
             h1 = sum((c + 1) * pow(BASE, j, P) for j, c in enumerate(chunk)) % P
             h2 = (prev * PAIR + h1 + 1) % P
-            want = [(h1 * engram_mod._MIX[0] + engram_mod._ADD[0]) % P % n_buckets,
-                    (h2 * engram_mod._MIX[1] + engram_mod._ADD[1]) % P % n_buckets]
+            want = [
+                (h1 * engram_mod._MIX[0] + engram_mod._ADD[0]) % P % n_buckets,
+                (h2 * engram_mod._MIX[1] + engram_mod._ADD[1]) % P % n_buckets,
+            ]
             assert got[b, k].tolist() == want
             prev, lo = h1, end + 1
 
@@ -270,11 +285,24 @@ def test_forward_losses_and_aux(config):
     out = model(ids, labels=labels)
     a = model.args
     assert out.logits.shape == (3, 48, VOCAB_SIZE)
-    for key in ("lm_loss", "moe_aux_loss", "boundary_loss", "ponder_loss", "bytes_per_segment",
-                "mean_loops", "loops_run", "expert_load_min", "expert_load_max", "flops_per_byte"):
+    for key in (
+        "lm_loss",
+        "moe_aux_loss",
+        "boundary_loss",
+        "ponder_loss",
+        "bytes_per_segment",
+        "mean_loops",
+        "loops_run",
+        "expert_load_min",
+        "expert_load_max",
+        "flops_per_byte",
+    ):
         assert out.aux[key].dim() == 0 and torch.isfinite(out.aux[key]), key
-    want_aux = a.moe_aux_coeff * out.aux["moe_aux_loss"] + a.boundary_coeff * out.aux["boundary_loss"] \
+    want_aux = (
+        a.moe_aux_coeff * out.aux["moe_aux_loss"]
+        + a.boundary_coeff * out.aux["boundary_loss"]
         + a.ponder_coeff * out.aux["ponder_loss"]
+    )
     torch.testing.assert_close(out.aux_loss.detach(), want_aux)
     torch.testing.assert_close(out.loss.detach(), out.aux["lm_loss"] + want_aux)
     assert out.aux["expert_load_min"] <= 1 / a.n_experts <= out.aux["expert_load_max"]
@@ -312,9 +340,7 @@ def test_extreme_segmentations(monkeypatch, predictor, train):
     n_real_bytes = (ids != PAD_ID).sum().item()
     decide = [[predictor > 0] * ids.shape[1]] * 2
     ref = [reference_boundaries(ids[b].tolist(), decide[b], DEBUG.max_segment_bytes) for b in range(2)]
-    n_real_segments = sum(
-        1 for b in range(2) for t in range(ids.shape[1]) if ref[b][t] and ids[b, t] != PAD_ID
-    )
+    n_real_segments = sum(1 for b in range(2) for t in range(ids.shape[1]) if ref[b][t] and ids[b, t] != PAD_ID)
     torch.testing.assert_close(out.aux["bytes_per_segment"], torch.tensor(n_real_bytes / n_real_segments))
     if predictor > 0:
         assert out.aux["bytes_per_segment"] == 1.0
@@ -434,10 +460,23 @@ def test_init_weights_sets_every_tensor():
 
 def test_module_names():
     names = {n for n, _ in build(halting="act").named_modules()}
-    for want in ("embed_tokens", "prelude.layers.0", "boundary_predictor", "core.layers.1.engram",
-                 "core.loop_embedding", "core.halt_predictor", "core.layers.0.moe.router",
-                 "core.layers.0.moe.experts", "core.layers.0.attention.wq", "core.layers.0.attention.wo",
-                 "core.layers.0.attention.kv_norm", "coda.layers.0", "norm", "lm_head", "up_proj"):
+    for want in (
+        "embed_tokens",
+        "prelude.layers.0",
+        "boundary_predictor",
+        "core.layers.1.engram",
+        "core.loop_embedding",
+        "core.halt_predictor",
+        "core.layers.0.moe.router",
+        "core.layers.0.moe.experts",
+        "core.layers.0.attention.wq",
+        "core.layers.0.attention.wo",
+        "core.layers.0.attention.kv_norm",
+        "coda.layers.0",
+        "norm",
+        "lm_head",
+        "up_proj",
+    ):
         assert want in names, want
     assert isinstance(build().core.layers[0].attention.wq, torch.nn.Linear)
 
@@ -501,7 +540,9 @@ def test_train_and_eval_segment_with_one_rule(monkeypatch):
     torch.testing.assert_close(tr.logits, ev.logits)
     # The old rule (Gumbel samples in training) segments differently, which is why it is not the default.
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    hard = [segment_bytes(logits, ids, training=t, temperature=0.5, max_segment_bytes=16).boundaries for t in (True, False)]
+    hard = [
+        segment_bytes(logits, ids, training=t, temperature=0.5, max_segment_bytes=16).boundaries for t in (True, False)
+    ]
     assert torch.equal(hard[0], hard[1])
     noisy = segment_bytes(logits, ids, training=True, temperature=0.5, max_segment_bytes=16, noise="gumbel")
     assert not torch.equal(noisy.boundaries, hard[1])

@@ -107,8 +107,19 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
     [
         (2, 256, {}, None),
         (1, 256, {"n_loops": 4}, None),
-        (2, 128, {"boundary_predictor": "mlp", "boundary_noise": "gumbel", "boundary_standardize": False,
-                  "boundary_ste": True, "halting": "act", "n_loops": 3}, None),
+        (
+            2,
+            128,
+            {
+                "boundary_predictor": "mlp",
+                "boundary_noise": "gumbel",
+                "boundary_standardize": False,
+                "boundary_ste": True,
+                "halting": "act",
+                "n_loops": 3,
+            },
+            None,
+        ),
         (1, 128, {"boundary_predictor": "mlp", "boundary_standardize": False}, 20.0),
         (1, 192, {"boundary_predictor": "mlp", "boundary_standardize": False}, -20.0),
         (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
@@ -131,8 +142,10 @@ def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):
     ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
     measured, aux = measured_train_flops(model, ids)
     predicted = aux["flops_per_byte"].item() * B * T
-    print(f"\nB={B} T={T} loops={aux['loops_run'].item():.0f} bytes/segment={aux['bytes_per_segment'].item():.2f}: "
-          f"FlopCounterMode {measured / 1e9:.4f} GFLOP, aux {predicted / 1e9:.4f} GFLOP, ratio {predicted / measured:.4f}")
+    print(
+        f"\nB={B} T={T} loops={aux['loops_run'].item():.0f} bytes/segment={aux['bytes_per_segment'].item():.2f}: "
+        f"FlopCounterMode {measured / 1e9:.4f} GFLOP, aux {predicted / 1e9:.4f} GFLOP, ratio {predicted / measured:.4f}"
+    )
     assert abs(predicted / measured - 1) < 0.05
 
 
@@ -152,8 +165,10 @@ def test_dense_flops_match_flop_counter(T):
     ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
     measured, _ = measured_train_flops(model, ids)
     predicted = dense_flops_per_token(args, T) * 2 * T
-    print(f"\ndense T={T}: FlopCounterMode {measured / 1e9:.4f} GFLOP, formula {predicted / 1e9:.4f}, "
-          f"ratio {predicted / measured:.4f}")
+    print(
+        f"\ndense T={T}: FlopCounterMode {measured / 1e9:.4f} GFLOP, formula {predicted / 1e9:.4f}, "
+        f"ratio {predicted / measured:.4f}"
+    )
     assert abs(predicted / measured - 1) < 0.05
 
 

@@ -29,10 +29,10 @@ def test_decode_round_trips(text):
 
 
 def test_decode_drops_specials_and_ignore_index():
-    raw = list("ab".encode())
+    raw = list(b"ab")
     assert decode([PAD_ID, BOS_ID, raw[0], EOS_ID, -100, raw[1], 271]) == "ab"
 
 
 def test_decode_replaces_invalid_utf8():
-    data = "é".encode("utf-8")[:1] + b"ok" + b"\xff"
+    data = "é".encode()[:1] + b"ok" + b"\xff"
     assert decode(list(data)) == data.decode("utf-8", errors="replace")

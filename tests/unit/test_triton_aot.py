@@ -112,8 +112,9 @@ def compile_report(shape: tuple[int, int, int], archs=ARCHS, dtypes=ROW_DTYPES, 
     payload = json.dumps([list(shape), list(archs), list(dtypes), list(aligns)])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, said out loud to silence its warning
-    out = subprocess.run([sys.executable, "-c", _CHILD, payload], capture_output=True, text=True, env=env,
-                         timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, payload], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

@@ -81,8 +81,6 @@ class Attention(nn.Module):
         nn.init.trunc_normal_(self.wo.weight, std=out_std)
 
 
-
-
 class DenseModel(nn.Module):
     def __init__(self, args: DenseArgs):
         super().__init__()

@@ -119,9 +119,24 @@ class SpiderArgs:
         """Every inconsistency among the fields, one line each (empty when the args are usable)."""
         out = []
         for name in (
-            "dim", "n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "n_core", "inter_dim", "n_experts", "top_k", "moe_inter_dim", "engram_buckets", "engram_dim",
-            "n_loops", "max_loops", "lora_rank", "max_segment_bytes", "max_seq_len",
+            "dim",
+            "n_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_core",
+            "inter_dim",
+            "n_experts",
+            "top_k",
+            "moe_inter_dim",
+            "engram_buckets",
+            "engram_dim",
+            "n_loops",
+            "max_loops",
+            "lora_rank",
+            "max_segment_bytes",
+            "max_seq_len",
         ):
             if getattr(self, name) < 1:
                 out.append(f"{name}: {getattr(self, name)} must be >= 1")

@@ -15,7 +15,7 @@ float8 converter can swap them.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -36,8 +36,10 @@ def spider_flops_breakdown(
         return 2.0 * m * n
 
     attn_proj = (
-        mm(d, H * qk) + mm(d, a.kv_lora_rank + a.qk_rope_head_dim)
-        + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim)) + mm(H * a.v_head_dim, d)
+        mm(d, H * qk)
+        + mm(d, a.kv_lora_rank + a.qk_rope_head_dim)
+        + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim))
+        + mm(H * a.v_head_dim, d)
     )
 
     def attn_scores(context: float) -> float:  # per query, causal-halved: QK^T and PV
@@ -47,8 +49,9 @@ def spider_flops_breakdown(
     per_segment_loop = {  # one segment through one loop of the core
         "core_attention_proj": a.n_core * attn_proj,
         "core_attention_scores": a.n_core * attn_scores(S),
-        "core_lora": a.n_core * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk)
-                                 + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d)) * a.loop_lora,
+        "core_lora": a.n_core
+        * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk) + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d))
+        * a.loop_lora,
         "moe_router": a.n_core * mm(d, a.n_experts),
         "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim),
         "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d),

@@ -105,8 +105,13 @@ class CoreBlock(nn.Module):
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = MLA(
-            args.dim, args.n_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
-            args.v_head_dim, args.norm_eps,
+            args.dim,
+            args.n_heads,
+            args.kv_lora_rank,
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+            args.norm_eps,
         )
         self.lora = (
             LoopLoRA(
@@ -277,8 +282,12 @@ class RecurrentCore(nn.Module):
         if self.halt_predictor is None:  # fixed depth: every segment used every loop
             zero = s.new_zeros((), dtype=torch.float32)
             return CoreOutput(
-                output=self.norm(h), moe_aux_loss=moe_aux_loss, moe_counts=counts, ponder_loss=zero,
-                mean_loops=zero + float(loops_run), loops_run=loops_run,
+                output=self.norm(h),
+                moe_aux_loss=moe_aux_loss,
+                moe_counts=counts,
+                ponder_loss=zero,
+                mean_loops=zero + float(loops_run),
+                loops_run=loops_run,
             )
         real = seg_real.float()
         n_real = real.sum().clamp(min=1.0)

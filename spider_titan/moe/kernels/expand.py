@@ -27,8 +27,17 @@ from spider_titan.moe.kernels.launch import tile_config
 
 @triton.jit
 def _expand_kernel(
-    x_ptr, pos_to_token_ptr, w_ptr, slot_to_pos_ptr, out_ptr, R, D,
-    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    pos_to_token_ptr,
+    w_ptr,
+    slot_to_pos_ptr,
+    out_ptr,
+    R,
+    D,
+    K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
     row_ok = rows < R
@@ -63,7 +72,17 @@ def expand_rows(
     K = weights.shape[1] if has_w else 1
     tile = tile_config("expand", D)
     _expand_kernel[(triton.cdiv(R, tile.block_rows),)](
-        x, pos_to_token, weights if has_w else x, token_slot_to_pos if has_w else pos_to_token, out, R, D,
-        K=K, HAS_WEIGHTS=has_w, BLOCK_R=tile.block_rows, BLOCK_D=tile.block_d, num_warps=tile.num_warps,
+        x,
+        pos_to_token,
+        weights if has_w else x,
+        token_slot_to_pos if has_w else pos_to_token,
+        out,
+        R,
+        D,
+        K=K,
+        HAS_WEIGHTS=has_w,
+        BLOCK_R=tile.block_rows,
+        BLOCK_D=tile.block_d,
+        num_warps=tile.num_warps,
     )
     return out

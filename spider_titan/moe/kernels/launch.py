@@ -69,10 +69,21 @@ def launch_plan(d: int, n_experts: int, top_k: int) -> list[KernelLaunch]:
     ex, rd, wg = tile_config("expand", d), tile_config("reduce", d), tile_config("weight_grad", d)
     for has_w in (False, True):
         k = top_k if has_w else 1  # the unweighted expand reads no slots
-        plan.append(KernelLaunch("_expand_kernel", {"K": k, "HAS_WEIGHTS": has_w, "BLOCK_R": ex.block_rows,
-                                                    "BLOCK_D": ex.block_d}, ex.num_warps))
-        plan.append(KernelLaunch("_reduce_kernel", {"K": top_k, "HAS_WEIGHTS": has_w, "BLOCK_T": rd.block_rows,
-                                                    "BLOCK_D": rd.block_d}, rd.num_warps))
-    plan.append(KernelLaunch("_weight_grad_kernel", {"K": top_k, "BLOCK_T": wg.block_rows, "BLOCK_D": wg.block_d},
-                             wg.num_warps))
+        plan.append(
+            KernelLaunch(
+                "_expand_kernel",
+                {"K": k, "HAS_WEIGHTS": has_w, "BLOCK_R": ex.block_rows, "BLOCK_D": ex.block_d},
+                ex.num_warps,
+            )
+        )
+        plan.append(
+            KernelLaunch(
+                "_reduce_kernel",
+                {"K": top_k, "HAS_WEIGHTS": has_w, "BLOCK_T": rd.block_rows, "BLOCK_D": rd.block_d},
+                rd.num_warps,
+            )
+        )
+    plan.append(
+        KernelLaunch("_weight_grad_kernel", {"K": top_k, "BLOCK_T": wg.block_rows, "BLOCK_D": wg.block_d}, wg.num_warps)
+    )
     return plan

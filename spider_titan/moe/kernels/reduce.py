@@ -27,8 +27,16 @@ from spider_titan.moe.kernels.launch import tile_config
 
 @triton.jit
 def _reduce_kernel(
-    y_exp_ptr, slot_to_pos_ptr, w_ptr, out_ptr, T, D,
-    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    y_exp_ptr,
+    slot_to_pos_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    D,
+    K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     tok_ok = toks < T
@@ -47,8 +55,15 @@ def _reduce_kernel(
 
 @triton.jit
 def _weight_grad_kernel(
-    y_exp_ptr, dy_ptr, slot_to_pos_ptr, dw_ptr, T, D,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    y_exp_ptr,
+    dy_ptr,
+    slot_to_pos_ptr,
+    dw_ptr,
+    T,
+    D,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     tok_ok = toks < T
@@ -73,8 +88,17 @@ def reduce_rows(
     tile = tile_config("reduce", D)
     has_w = weights is not None
     _reduce_kernel[(triton.cdiv(T, tile.block_rows),)](
-        y_exp, token_slot_to_pos, weights if has_w else y_exp, out, T, D,
-        K=K, HAS_WEIGHTS=has_w, BLOCK_T=tile.block_rows, BLOCK_D=tile.block_d, num_warps=tile.num_warps,
+        y_exp,
+        token_slot_to_pos,
+        weights if has_w else y_exp,
+        out,
+        T,
+        D,
+        K=K,
+        HAS_WEIGHTS=has_w,
+        BLOCK_T=tile.block_rows,
+        BLOCK_D=tile.block_d,
+        num_warps=tile.num_warps,
     )
     return out
 
@@ -87,7 +111,15 @@ def weight_grad(
     dw = torch.empty(T, K, dtype=dtype, device=y_exp.device)
     tile = tile_config("weight_grad", D)
     _weight_grad_kernel[(triton.cdiv(T, tile.block_rows),)](
-        y_exp, dy, token_slot_to_pos, dw, T, D, K=K, BLOCK_T=tile.block_rows, BLOCK_D=tile.block_d,
+        y_exp,
+        dy,
+        token_slot_to_pos,
+        dw,
+        T,
+        D,
+        K=K,
+        BLOCK_T=tile.block_rows,
+        BLOCK_D=tile.block_d,
         num_warps=tile.num_warps,
     )
     return dw

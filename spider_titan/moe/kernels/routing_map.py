@@ -60,8 +60,16 @@ def _segment_offsets_kernel(
 
 @triton.jit
 def _scatter_positions_kernel(
-    idx_ptr, block_base_ptr, seg_start_ptr, slot_to_pos_ptr, pos_to_token_ptr, N, E,
-    K: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+    idx_ptr,
+    block_base_ptr,
+    seg_start_ptr,
+    slot_to_pos_ptr,
+    pos_to_token_ptr,
+    N,
+    E,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     slots = b * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
