@@ -168,9 +168,9 @@ class Trainer:
         batches = []
         loader, device = self.run.train_loader, self.run.device
         for _ in range(self.cfg.training.gradient_accumulation_steps):
-            ids = loader.next_sample_ids() + (self.cfg.training.seed << 40)
+            ids = loader.next_sample_ids().add_(self.cfg.training.seed << 40)  # in place: stays pinned
             inputs, labels = next(self.data_iter)
-            batches.append((inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True), ids.to(device)))
+            batches.append(tuple(t.to(device, non_blocking=True) for t in (inputs, labels, ids)))
         return batches
 
     def train_step(

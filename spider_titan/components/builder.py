@@ -183,6 +183,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
         dp_world_size=dims.dp_degree,
         seed=t.seed,
         num_workers=t.num_workers,
+        pin_memory=device.type == "cuda",  # the train loop's host-to-device copies are non_blocking
     )
     val_loader = None
     if cfg.validation.enable:
@@ -193,6 +194,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
             dp_rank=dp_rank,
             dp_world_size=dims.dp_degree,
             seed=t.seed,
+            pin_memory=device.type == "cuda",
         )
 
     # 3)-7) model on meta, converters, MoE backend, activation checkpointing, compile

@@ -335,6 +335,8 @@ class ByteDataLoader(Stateful):
     See the module docstring for the sampling order. Iterating starts at the current state and
     advances it by one global batch per batch yielded; use one iterator at a time. With
     ``num_workers > 0`` batches are built in torch DataLoader workers and arrive in the same order.
+    With ``pin_memory`` (the builder sets it for a CUDA run) batches and sample ids come in pinned
+    host memory, so the train loop's ``non_blocking`` copies to the GPU do not wait on the host.
     """
 
     def __init__(
@@ -347,6 +349,7 @@ class ByteDataLoader(Stateful):
         dp_world_size: int,
         seed: int,
         num_workers: int = 0,
+        pin_memory: bool = False,
     ):
         problems = []
         if seq_len < 1:
@@ -366,6 +369,7 @@ class ByteDataLoader(Stateful):
         self.dp_world_size = dp_world_size
         self.seed = seed
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self._sampler = _Sampler(
             dataset,
             seq_len=seq_len,
@@ -402,7 +406,8 @@ class ByteDataLoader(Stateful):
         """(local_batch_size,) int64: the global sample indices of the rows of the next batch this
         rank's iterator yields (call it before ``next``). Independent of world size and workers."""
         first = self.samples_consumed + self.dp_rank * self.local_batch_size
-        return torch.arange(first, first + self.local_batch_size, dtype=torch.int64)
+        ids = torch.arange(first, first + self.local_batch_size, dtype=torch.int64)
+        return ids.pin_memory() if self.pin_memory else ids
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         first, g = self.samples_consumed, self.global_batch_size
@@ -416,7 +421,7 @@ class ByteDataLoader(Stateful):
             if isinstance(batch, DataError):  # from a worker (_WorkerBatches)
                 raise batch
             self.samples_consumed += g
-            yield batch
+            yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
 
     def state_dict(self) -> dict[str, Any]:
         """The position in global samples (the same on every rank and for every world size)."""

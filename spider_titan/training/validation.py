@@ -62,7 +62,7 @@ class Validator:
                 if self.stop.requested():
                     model.train()
                     return None
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
                 with self.autocast():
                     out = model(inputs, **kwargs)
                 ce += self.spec.loss_sum(out.logits, labels)

@@ -359,3 +359,52 @@ def test_text_dataset_with_a_truncated_gzip_is_a_one_line_error(tmp_path):
         build_text_dataset(str(tmp_path / "cut.jsonl.gz"), split="train", seed=0)
     message = str(info.value)
     assert message.startswith(f"{tmp_path / 'cut.jsonl.gz'}: ") and "truncated" in message and "\n" not in message
+
+
+@pytest.mark.gpu
+def test_pinned_batches_for_a_cuda_run():
+    """With pin_memory (the builder's choice on CUDA) batches and sample ids come pinned, so the
+    train loop's non_blocking copies do not wait on the host; the values are unchanged."""
+    ds, _ = _stream_dataset()
+    plain, pinned = _loader(ds), _loader(ds)
+    pinned.pin_memory = True
+    for (x, y), (px, py) in zip(_take(plain, 3), _take(pinned, 3)):
+        assert px.is_pinned() and py.is_pinned() and torch.equal(x, px) and torch.equal(y, py)
+    assert pinned.next_sample_ids().is_pinned()
+
+
+def test_the_train_loop_copies_batches_without_blocking(monkeypatch, in_process, tmp_path):
+    """Every host-to-device copy of a micro-batch (inputs, labels, sample ids) is non_blocking: on a
+    GPU a blocking one waits for the host, a sync per micro-batch."""
+    from spider_titan.config.manager import parse_args
+    from spider_titan.train import Trainer
+
+    cfg = parse_args(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--training.dataset",
+            "mock",
+            "--training.gradient_accumulation_steps",
+            "2",
+            "--validation.enable",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ],
+        env={},
+    )
+    trainer = Trainer(cfg)
+    try:
+        calls = []
+        real_to = torch.Tensor.to
+
+        def recording_to(self, *args, **kwargs):
+            calls.append(kwargs.get("non_blocking", False))
+            return real_to(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "to", recording_to)
+        batches = trainer.next_micro_batches()
+    finally:
+        trainer.close()
+    assert len(batches) == 2 and len(calls) == 6 and all(calls), calls
