@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from spider_titan.models.common import apply_rope, causal_sdpa
+from spider_titan.models.spider.args import SpiderArgs
 
 # x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
 Adapter = Callable[[torch.Tensor], torch.Tensor]
@@ -52,6 +53,19 @@ class MLA(nn.Module):
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+
+    @classmethod
+    def from_args(cls, args: SpiderArgs) -> MLA:
+        """The MLA layer of a Spider block (byte and core blocks alike)."""
+        return cls(
+            args.dim,
+            args.n_heads,
+            args.kv_lora_rank,
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+            args.norm_eps,
+        )
 
     def forward(
         self,

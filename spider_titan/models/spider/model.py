@@ -82,15 +82,7 @@ class ByteStack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(
             PreNormBlock(
-                MLA(
-                    args.dim,
-                    args.n_heads,
-                    args.kv_lora_rank,
-                    args.qk_nope_head_dim,
-                    args.qk_rope_head_dim,
-                    args.v_head_dim,
-                    args.norm_eps,
-                ),
+                MLA.from_args(args),
                 args.dim,
                 args.inter_dim,
                 args.norm_eps,

@@ -104,15 +104,7 @@ class CoreBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MLA(
-            args.dim,
-            args.n_heads,
-            args.kv_lora_rank,
-            args.qk_nope_head_dim,
-            args.qk_rope_head_dim,
-            args.v_head_dim,
-            args.norm_eps,
-        )
+        self.attention = MLA.from_args(args)
         self.lora = (
             LoopLoRA(
                 args.max_loops,
