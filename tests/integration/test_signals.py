@@ -145,7 +145,11 @@ def test_sigterm_before_the_last_step_skips_the_long_final_validation_and_resume
     took = time.time() - t0
     assert code == 128 + signal.SIGTERM, run.stdout[-3000:] + run.stderr
     assert took < PROMPT
-    assert f"SIGTERM: stopped at step 4 with a checkpoint ({dump / 'checkpoint' / 'step-4'}), the last" in run.stdout
+    # Under load the signal may land after step 4's log line, in the final validation: that one is
+    # then abandoned at its first batch; either way the same checkpoint is saved and the resume below
+    # runs the end-of-run work.
+    stopped = f"SIGTERM: stopped at step 4 with a checkpoint ({dump / 'checkpoint' / 'step-4'}), "
+    assert stopped + "the last" in run.stdout or stopped + "during its validation" in run.stdout, run.stdout[-3000:]
     assert not val_rows(dump) and not (dump / "export").exists()
     assert (dump / "checkpoint" / "step-4" / ".metadata").is_file()
     assert "Traceback" not in run.stderr
