@@ -34,6 +34,7 @@ from spider_titan.data.shards import DataError
 from spider_titan.distributed import all_reduce_sum, clip_grad_norm_
 from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
+from spider_titan.metrics.profiling import maybe_profile
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
@@ -223,7 +224,16 @@ class Trainer:
         return metrics
 
     def train(self) -> int:
-        """Train to ``training.steps``; the exit status: 0, or 128 + signal when a signal stopped the run."""
+        """Train to ``training.steps``; the exit status: 0, or 128 + signal when a signal stopped the run.
+        The loop runs inside the [profiling] window's profiler when one is asked for."""
+        profiling = self.cfg.profiling
+        first = self.state.step + 1
+        with maybe_profile(
+            profiling, self.dump_folder, self.rank, first_step=first, device_type=self.run.device.type
+        ) as prof:
+            return self._train_loop(prof)
+
+    def _train_loop(self, profiler) -> int:
         run, cfg = self.run, self.cfg
         start_step = self.state.step
         self.progress.start()
@@ -240,6 +250,8 @@ class Trainer:
             metrics = self.train_step(self.next_micro_batches(), step)
             self.state.step = step
             self.progress.add_step(metrics)  # tokens, and FLOPs summed on the device
+            if profiler is not None:
+                profiler.step()
             last = step == run.total_steps
             log_now = step % cfg.metrics.log_freq == 0 or step == start_step + 1 or last
             val_now = self.validator is not None and (step % cfg.validation.freq == 0 or last)

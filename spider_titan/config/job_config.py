@@ -319,6 +319,24 @@ class Validation:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces of the steps ``start_step`` .. ``start_step + active_steps - 1``
+    (one JSON file per rank, Chrome/Perfetto and TensorBoard format; metrics/profiling.py)."""
+    start_step: int = ranged(3, low=1)
+    """First profiled step (the step before it warms the profiler up)."""
+    active_steps: int = ranged(2, low=1)
+    """Steps recorded in the trace."""
+    save_traces_folder: str = "profile_traces"
+    """Folder of the traces and memory snapshots, relative to the dump folder."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record the allocator's history from the start and dump a snapshot after step
+    ``memory_snapshot_step`` (open it at https://pytorch.org/memory_viz)."""
+    memory_snapshot_step: int = ranged(3, low=1)
+    """Step after which the memory snapshot is written."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -332,3 +350,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
