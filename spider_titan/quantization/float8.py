@@ -70,16 +70,6 @@ def torchao_float8_available() -> tuple[bool, str]:
     return True, ""
 
 
-def fast_fp8_hardware() -> tuple[bool, str]:
-    """Whether this machine has fp8 tensor cores (CUDA capability >= 8.9), and what it is."""
-    if not torch.cuda.is_available():
-        return False, "no CUDA device (fp8 on CPU is emulated, not faster)"
-    cap = torch.cuda.get_device_capability()
-    if cap < (8, 9):
-        return False, f"CUDA capability {cap[0]}.{cap[1]} < 8.9 has no fp8 tensor cores"
-    return True, f"CUDA capability {cap[0]}.{cap[1]}"
-
-
 def fp8_grouped_mm_supported() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "needs a CUDA device with capability 9.0 or 10.0 (this run is on CPU)"
