@@ -611,3 +611,60 @@ def test_eval_variants():
     assert variants == [("", {}), ("_loops1", {"n_loops": 1}), ("_loops2", {"n_loops": 2}), ("_loops4", {"n_loops": 4})]
     big = dataclasses.replace(DEBUG, max_loops=8)
     assert SPIDER_SPEC.eval_variants(big)[-1] == ("_loops8", {"n_loops": 8})
+
+
+# ------------------------------------------------------------------------------ bucketed segment count
+
+
+@pytest.mark.parametrize("config", ["cosine_ratio", "mlp_hinge_gumbel_act", "fixed"])
+@pytest.mark.parametrize("n_loops", [1, 3])
+def test_segment_bucket_changes_nothing_but_the_core_shape(config, n_loops):
+    """S padded to a bucket of 64 (the core runs on 64 segments, not ~12-48): logits, every loss,
+    every reported figure and every gradient equal the unbucketed model's within 1e-6 (fp32),
+    in training and at eval. The pad segments sit after every real segment, so causal attention
+    alone keeps them out of the real ones; the MoE statistics and ACT mask them."""
+    ids = sample_ids(3, B=3, T=48)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    shapes = {}
+
+    def record_shape(module, args, kwargs):
+        shapes[module.args.segment_bucket] = args[0].shape
+
+    runs = {}
+    for bucket in (1, 64):
+        model = build(**BOUNDARY_CONFIGS[config], n_loops=n_loops, segment_bucket=bucket)
+        model.core.register_forward_pre_hook(record_shape, with_kwargs=True)
+        torch.manual_seed(0)  # the same Gumbel noise in both
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        model.eval()
+        with torch.no_grad():
+            eval_out = model(ids, labels=labels, n_loops=n_loops + 1)
+        runs[bucket] = (out, eval_out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert shapes[64][1] == 48 and shapes[1][1] < 48  # the bucket really padded (capped at T = 48)
+    (a, a_eval, a_grads), (b, b_eval, b_grads) = runs[1], runs[64]
+    exact = dict(rtol=1e-6, atol=1e-6)  # fp32 rounding of GEMMs over 48 rows instead of ~20
+    torch.testing.assert_close(b.logits, a.logits, **exact)
+    torch.testing.assert_close(b.loss, a.loss, **exact)
+    torch.testing.assert_close(b_eval.logits, a_eval.logits, **exact)
+    assert sorted(b.aux) == sorted(a.aux)
+    for key in a.aux:
+        torch.testing.assert_close(b.aux[key], a.aux[key], rtol=1e-6, atol=1e-6, msg=key)
+        torch.testing.assert_close(b_eval.aux[key], a_eval.aux[key], rtol=1e-6, atol=1e-6, msg=key)
+    assert sorted(b_grads) == sorted(a_grads)
+    for name, g in a_grads.items():
+        torch.testing.assert_close(b_grads[name], g, **exact, msg=name)
+
+
+def test_segment_bucket_rounds_up_and_stops_at_the_sequence_length():
+    ids = sample_ids(1, B=2, T=40)
+    logits = torch.full((2, 40), -30.0)  # forced boundaries only: the length cap makes S = 40 / 16 rounded up
+    base = segment_bytes(logits, ids, training=False, temperature=1.0, max_segment_bytes=4)
+    for bucket, want in ((1, base.num_segments), (8, 16), (64, 40)):
+        seg = segment_bytes(logits, ids, training=False, temperature=1.0, max_segment_bytes=4, bucket=bucket)
+        assert (seg.num_segments, seg.max_row_segments) == (want, base.num_segments)
+        assert seg.seg_valid.shape == seg.seg_real.shape == seg.ends.shape == (2, want)
+        n = base.num_segments
+        assert torch.equal(seg.seg_real[:, :n], base.seg_real) and not seg.seg_valid[:, n:].any()
+        assert torch.equal(seg.ends[:, :n], base.ends)

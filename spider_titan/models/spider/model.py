@@ -20,7 +20,8 @@ exactly that many loops; with ``halting = "act"`` at most that many (eval stops 
 segment has halted).
 
 ``aux["flops_per_byte"]``: training FLOPs (fwd + bwd) per input byte of this very forward, from
-the core's actual segment count S (padding segments included) and ``loops_run``
+the batch's largest segment count (short rows' padding included, ``segment_bucket`` padding not:
+the bucket leaves every reported figure unchanged) and ``loops_run``
 (``spider_flops_per_byte``, causal attention counted halved like the dense baseline); a
 detached scalar made from host ints, so it costs no extra sync.
 
@@ -169,6 +170,7 @@ class Spider(nn.Module):
             noise_keys=sample_ids,
             noise=a.boundary_noise,
             ste=a.boundary_ste,
+            bucket=a.segment_bucket,
         )
         S = seg.num_segments
         core = self.core(
@@ -199,9 +201,12 @@ class Spider(nn.Module):
             "loops_run": torch.full((), float(core.loops_run), device=device),
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
-            # From the host ints S and loops_run: the core's actual (padded) work, no extra sync.
+            # From host ints, no extra sync: the core's work on the batch's largest segment count
+            # (short rows padded to it), without the bucket's padding (overhead, not model FLOPs).
             FLOPS_PER_BYTE: torch.full(
-                (), spider_flops_per_byte(a, T, n_loops=core.loops_run, bytes_per_segment=T / S), device=device
+                (),
+                spider_flops_per_byte(a, T, n_loops=core.loops_run, bytes_per_segment=T / seg.max_row_segments),
+                device=device,
             ),
         }
         loss = None

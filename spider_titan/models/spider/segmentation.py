@@ -45,8 +45,15 @@ Conventions
   the first segment) by a gather. On CUDA scatter-add uses atomics, so the last bits of the
   pooled sums may vary from run to run unless ``torch.use_deterministic_algorithms`` is on.
 * S, the largest segment count in the batch, is read back to the host once per forward (the one
-  host sync); rows with fewer segments are padded, and ``seg_valid``/``seg_real`` mark which
-  segments exist / hold real bytes.
+  host sync: dynamic chunking needs it to size the core's tensors); rows with fewer segments are
+  padded, and ``seg_valid``/``seg_real`` mark which segments exist / hold real bytes.
+* Bucketed S (``bucket``, ``SpiderArgs.segment_bucket``): S is rounded up to a multiple of the
+  bucket (at most T), so the core sees a few shapes instead of a new one every batch (a compiled
+  model recompiles or runs dynamic kernels per new shape; cuDNN attention builds a graph per
+  shape). The extra segments are padding like a short row's: they come after every real segment,
+  so causal attention never lets a real segment read them; no byte reads them back (the upsample
+  reads segments that ended before the byte); the MoE statistics and the ponder loss skip them
+  (``seg_real``). Outputs and losses equal the unbucketed model's (tests/unit/test_spider_model.py).
 
 Why these defaults (cosine predictor, causal standardisation, ratio loss, no STE): the measurements
 are in docs/experiments.md ("Segmentation"); in short, the hinge collapses to the length cap, the
@@ -157,7 +164,8 @@ class Segmentation:
     ends:          (B, S) int64, last byte of each segment (arbitrary for missing segments)
     seg_valid:     (B, S) bool, the segment exists in that row
     seg_real:      (B, S) bool, the segment exists and holds real (non-PAD) bytes
-    num_segments:  S (a host int)
+    num_segments:  S (a host int), the largest row's segment count rounded up to the bucket
+    max_row_segments: the largest row's segment count (a host int, <= S; S without a bucket)
     """
 
     boundaries: torch.Tensor
@@ -171,6 +179,7 @@ class Segmentation:
     seg_valid: torch.Tensor
     seg_real: torch.Tensor
     num_segments: int
+    max_row_segments: int
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -223,6 +232,7 @@ def segment_bytes(
     noise_keys: torch.Tensor | None = None,
     noise: str = "none",
     ste: bool = True,
+    bucket: int = 1,
 ) -> Segmentation:
     """Boundaries from predictor ``logits (B, T)`` and the bytes, with forced boundaries and STE.
 
@@ -230,7 +240,8 @@ def segment_bytes(
     training and eval). ``ste = False`` leaves the straight-through term out (value and
     gradient 0). With ``noise = "gumbel"`` training hardens a Gumbel-sigmoid sample
     instead; its noise comes from ``keyed_uniform(noise_keys)`` when keys are given (one per
-    row), else from torch's global RNG.
+    row), else from torch's global RNG. ``bucket > 1`` rounds S up to a multiple of it (at most
+    T); the extra segments are padding (module docstring).
     """
     B, T = input_ids.shape
     device = input_ids.device
@@ -264,7 +275,8 @@ def segment_bytes(
     seg_id = _exclusive_cumsum(boundaries.long())
     pos_in_seg = idx - _previous_boundary(boundaries) - 1
     n_segments = boundaries.sum(dim=1)  # (B,) the last byte always ends a segment
-    S = int(n_segments.max())  # the one host sync of the forward pass
+    max_row = int(n_segments.max())  # the one host sync of the forward pass
+    S = min(T, -(-max_row // bucket) * bucket) if bucket > 1 else max_row
     # Stable sort puts the boundary positions first, in order: the ends of segments 0..n_b-1.
     ends = torch.sort((~boundaries).to(torch.uint8), dim=1, stable=True).indices[:, :S]  # (B, S)
     seg_valid = torch.arange(S, device=device) < n_segments[:, None]
@@ -281,6 +293,7 @@ def segment_bytes(
         seg_valid=seg_valid,
         seg_real=seg_real,
         num_segments=S,
+        max_row_segments=max_row,
     )
 
 
