@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--flops", type=float, default=1e13, help="training FLOPs budget of spider and dense")
     p.add_argument("--ablation-flops", type=float, default=None, help="budget of the ablations (default: --flops)")
+    p.add_argument("--flavor", default="debug", help="model flavor of every run (debug; small: ~4x its FLOPs per byte)")
+    p.add_argument("--seed", type=int, default=0, help="training seed of every run (--training.seed)")
     p.add_argument("--data", default=None, help="a bytes folder (--training.dataset bytes); default: built-in corpus")
     p.add_argument("--out", default="outputs/quality", help="folder for run dumps, table and picture")
     p.add_argument("--runs", default=",".join(r.name for r in RUNS), help="comma-separated run names")
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = (
         ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
     )
+    extra += ["--model.flavor", args.flavor, "--training.seed", str(args.seed)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

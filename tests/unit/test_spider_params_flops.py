@@ -184,3 +184,13 @@ def test_flops_helper_is_the_spec_formula_and_scales():
     assert spider_flops_per_byte(args, 4096, n_loops=12) > per_byte
     assert spider_flops_per_byte(args, 4096, bytes_per_segment=2.0) > per_byte
     assert parts["byte_blocks"] == spider_flops_breakdown(args, 4096, n_loops=12, bytes_per_segment=2.0)["byte_blocks"]
+
+
+def test_small_flavors_cost_at_least_four_times_debug_per_byte():
+    """The quality study's second scale (docs/benchmarks.md) needs >= 4x debug's FLOPs per byte, for
+    Spider and its dense partner alike (at the debug configs' seq 256)."""
+    from spider_titan.models.dense.model import DENSE_FLAVORS, dense_flops_per_token
+
+    spider = [spider_flops_per_byte(SPIDER_FLAVORS[f], 256) for f in ("debug", "small")]
+    dense = [dense_flops_per_token(DENSE_FLAVORS[f], 256) for f in ("debug", "small")]
+    assert 4.0 <= spider[1] / spider[0] < 5.0 and 4.0 <= dense[1] / dense[0] < 5.0, (spider, dense)

@@ -195,6 +195,19 @@ class SpiderArgs:
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config.
     "debug": SpiderArgs(),
+    # ~4x debug's training FLOPs per byte (4.1x at seq 256; 4.7 M parameters): the second scale of the
+    # quality study (docs/benchmarks.md), every width doubled, the structure of debug kept.
+    "small": SpiderArgs(
+        dim=256,
+        kv_lora_rank=64,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        inter_dim=704,
+        moe_inter_dim=160,
+        engram_buckets=2048,
+        engram_dim=64,
+    ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
     # = 993.8 M (test_spider_params_flops pins it to 996 M +- 1 %).
