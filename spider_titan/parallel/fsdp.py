@@ -21,6 +21,14 @@ another mesh ("efsdp"); FSDP2's per-parameter mesh (``shard_placement_fn`` retur
 start-up) keeps them in the same unit as a second parameter group, so they are gathered and
 reduced with it, once per forward and backward too.
 
+Shard dim. FSDP2 shards a parameter on dim 0 and pads it to a multiple of the shard group, so a
+dim 0 smaller than the group is mostly padding: the 1B flavor's 32 experts (``(E, out, in)``) at
+64 data-parallel ranks left half the ranks a padding expert each, and at 512 ranks every rank held
+a whole expert's worth (the planner measured 21.5 and 71 GiB per rank). :func:`shard_dim` picks a
+later dim that divides evenly when padding dim 0 would waste more than 10 % (FSDP2 shards dims
+other than 0 only evenly); the price is one extra copy of the gathered parameter after each
+all-gather (FSDP2 re-interleaves the chunks), paid only by those parameters.
+
 Reshard after forward. A unit resharded after forward is all-gathered again in backward. The
 recurrent core is the unit whose re-gather costs most (it holds the experts), and with recurrent
 activation checkpointing its backward recomputes every loop, so by default it stays gathered
@@ -108,6 +116,18 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def shard_dim(shape: Sequence[int], group_size: int, max_padding: float = 0.1) -> int:
+    """The dim FSDP2 shards a parameter of ``shape`` on over ``group_size`` ranks (module docstring):
+    0 unless padding dim 0 to a multiple of the group adds more than ``max_padding`` of the
+    parameter, then the first later dim that the group divides (0 when none does)."""
+    if not shape or group_size <= 1:
+        return 0
+    padded = -(-shape[0] // group_size) * group_size
+    if padded <= (1.0 + max_padding) * shape[0]:
+        return 0
+    return next((d for d in range(1, len(shape)) if shape[d] % group_size == 0), 0)
+
+
 def keep_gathered(module: nn.Module, param_dtype: torch.dtype, device_memory: int, fraction: float) -> bool:
     """The rule for a loop owner (module docstring): keep it gathered after forward when its
     unsharded parameters, in ``param_dtype``, take at most ``fraction`` of ``device_memory``."""
@@ -148,18 +168,25 @@ def apply_fsdp(
             f"parallelism.fsdp_reshard_after_forward_units: no FSDP unit named {unknown}; "
             f"units are {[fqn for fqn, _ in units]}"
         )
-    placement_fn = None
-    if expert_mesh is not None:
-        if ShardPlacementResult is None:
-            raise ValueError(
-                f"parallelism.expert_parallel_degree > 1 with FSDP needs torch >= 2.12 (FSDP2 per-parameter meshes; "
-                f"this is torch {torch.__version__}); upgrade torch or set parallelism.expert_parallel_degree = 1"
-            )
-        expert_ids = {id(p) for p in expert_params}
-        expert_info = _mesh_info(expert_mesh)  # one object: FSDP2 groups parameters by it
+    if expert_mesh is not None and ShardPlacementResult is None:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree > 1 with FSDP needs torch >= 2.12 (FSDP2 per-parameter meshes; "
+            f"this is torch {torch.__version__}); upgrade torch or set parallelism.expert_parallel_degree = 1"
+        )
+    expert_ids = {id(p) for p in expert_params} if expert_mesh is not None else set()
+    expert_info = _mesh_info(expert_mesh) if expert_mesh is not None else None  # one object: FSDP2 groups by it
+    group_size = mesh.size(mesh.ndim - 1)
 
-        def placement_fn(param: nn.Parameter):
-            return ShardPlacementResult(Shard(0), expert_info) if id(param) in expert_ids else None
+    off_dim0: set[int] = set()
+
+    def placement_fn(param: nn.Parameter):
+        experts = id(param) in expert_ids
+        dim = shard_dim(param.shape, expert_mesh.size(expert_mesh.ndim - 1) if experts else group_size)
+        if dim:
+            off_dim0.add(id(param))
+        if experts:
+            return ShardPlacementResult(Shard(dim), expert_info)
+        return Shard(dim) if dim else None
 
     default_reshard = reshard_after_forward != "never"
     for fqn, unit in units:
@@ -178,6 +205,8 @@ def apply_fsdp(
         shard_placement_fn=placement_fn,
     )
 
+    if off_dim0:
+        logger.info("FSDP2: %d parameters sharded on a dim other than 0 (dim 0 would be mostly padding)", len(off_dim0))
     backend = dist.get_backend(mesh.get_group(mesh.ndim - 1))
     if not needs_custom_comms(counter_enabled=counter is not None, backend=backend):
         logger.info("FSDP2: default collectives (%s, comm counter off)", backend)

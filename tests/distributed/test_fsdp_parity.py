@@ -180,3 +180,22 @@ def test_unit_reshard_rule_and_overrides():
     assert got == {"core": True, "coda.layers.0": False}
     with pytest.raises(ValueError, match="is not FQN=true\\|false"):
         unit_reshard_after_forward(units, ["core"], cfg(overrides=["core"]), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "shape, group, want",
+    [
+        ((32, 528, 2048), 8, 0),  # 1B experts at 8 ranks: dim 0 divides
+        ((32, 528, 2048), 64, 2),  # 64 ranks: dim 0 would be half padding; 528 % 64 != 0, 2048 divides
+        ((32, 2048, 528), 512, 1),
+        ((272, 2048), 64, 1),  # 320 padded rows for 272 (18 %)
+        ((2050, 128), 64, 0),  # 2112 for 2050 (3 %): padding is cheaper than the extra copy
+        ((3, 5), 4, 0),  # nothing divides: dim 0 (padded) as FSDP2 would
+        ((7,), 4, 0),
+        ((8, 64), 1, 0),
+    ],
+)
+def test_shard_dim_avoids_padding_dim_0(shape, group, want):
+    from spider_titan.parallel.fsdp import shard_dim
+
+    assert shard_dim(shape, group) == want

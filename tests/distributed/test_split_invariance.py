@@ -22,10 +22,16 @@ pytestmark = pytest.mark.slow
 
 # Debug Spider: MoE with aux-loss balancing, learned (cosine) boundaries with the ratio loss.
 # aux_loss_coeff 0.1 (10x the default) makes the per-rank statistics' error large enough that
-# the negative control fails by a wide margin, not by a hair.
+# the negative control fails by a wide margin, not by a hair. Two experts, so the expert weights'
+# dim 0 (2 experts; 1 per rank under EP 2) is smaller than the shard group: FSDP shards them on
+# another dim (parallel/fsdp.py shard_dim), which these runs check against one process too.
 COMMON = [
     "--job.config_file",
     "train_configs/debug_model.toml",
+    "--model.n_experts",
+    "2",
+    "--model.top_k",
+    "1",
     "--training.steps",
     "5",
     "--training.seq_len",
@@ -77,6 +83,7 @@ def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
         run = run_train(COMMON + FOUR_RANKS + extra + ["--job.dump_folder", str(tmp_path / name)], nprocs=4)
         check_ok(run)
         assert "global-batch load balancing: 2 MoE layers" in run.stderr + run.stdout
+        assert "parameters sharded on a dim other than 0" in run.stderr + run.stdout
         gaps = _relative_gaps(ref, train_losses(tmp_path / name))
         assert max(gaps.values()) < 1e-5, (name, gaps)
 
