@@ -163,14 +163,16 @@ def apply_parallelism(
 
 
 def apply_global_batch_statistics(model: nn.Module, group: dist.ProcessGroup) -> int:
-    """Make every MoE layer's balance statistics (f_i, P_i, token count) sums over ``group``, the
-    data-parallel ranks, so the aux loss is that of the global micro-batch and training does not
-    depend on the number of ranks (Qiu et al. 2025, arXiv 2501.11873). One all-reduce of 2E+1
-    floats per MoE call in forward and one in backward. Returns the number of layers."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for layer in layers:
-        layer.reduce_stats = functools.partial(differentiable_all_reduce_sum, group=group)
-    return len(layers)
+    """Make the batch-level statistics of the losses sums over ``group``, the data-parallel ranks,
+    so each loss is that of the global micro-batch and training does not depend on the number of
+    ranks: every module with a ``reduce_stats`` slot gets a differentiable sum. The MoE layers'
+    balance statistics (f_i, P_i, token count; Qiu et al. 2025, arXiv 2501.11873: one all-reduce of
+    2E+1 floats per MoE call in forward and one in backward) and, with ACT, the recurrent core's
+    ponder statistics (3 floats per forward). Returns the number of MoE layers."""
+    modules = [m for m in model.modules() if hasattr(m, "reduce_stats")]
+    for module in modules:
+        module.reduce_stats = functools.partial(differentiable_all_reduce_sum, group=group)
+    return sum(isinstance(m, MoE) for m in modules)
 
 
 def _loop_owners(spec: ModelSpec) -> list[str]:

@@ -45,6 +45,7 @@ training loop is used and the output is close to the uniform average of the loop
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -221,6 +222,10 @@ class RecurrentCore(nn.Module):
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.halt_predictor = nn.Linear(args.dim, 1) if args.halting == "act" else None
+        # ACT's ponder loss is a mean over the real segments of the global micro-batch when a
+        # differentiable sum over the data-parallel ranks is installed here (as for the MoE
+        # statistics, parallel/parallelize.py), so it does not depend on how the batch is split.
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -282,13 +287,16 @@ class RecurrentCore(nn.Module):
                 loops_run=loops_run,
             )
         real = seg_real.float()
-        n_real = real.sum().clamp(min=1.0)
+        sums = torch.stack([((act.n_used + act.remainder) * real).sum(), (act.n_used * real).sum(), real.sum()])
+        if self.training and self.reduce_stats is not None:
+            sums = self.reduce_stats(sums)  # over the data-parallel ranks
+        n_real = sums[2].clamp(min=1.0)
         return CoreOutput(
             output=out.to(s.dtype),
             moe_aux_loss=moe_aux_loss,
             moe_counts=counts,
-            ponder_loss=((act.n_used + act.remainder) * real).sum() / n_real,
-            mean_loops=((act.n_used * real).sum() / n_real).detach(),
+            ponder_loss=sums[0] / n_real,
+            mean_loops=(sums[1] / n_real).detach(),
             loops_run=loops_run,
         )
 
