@@ -370,6 +370,15 @@ def comm(args: argparse.Namespace) -> dict:
     return benchmark_comm(args)
 
 
+@scenario("ep_capacity")
+def ep_capacity(args: argparse.Namespace) -> dict:
+    """Expert-parallel all-to-all bytes and dropped pairs: dynamic vs fixed-capacity dispatch at several
+    capacity factors, on 2 gloo ranks training the debug model (scripts/bench_comm.py)."""
+    from scripts.bench_comm import benchmark_ep_capacity
+
+    return benchmark_ep_capacity(args)
+
+
 @scenario("checkpoint_io")
 def checkpoint_io(args: argparse.Namespace) -> dict:
     """DCP save/load time and size for the debug flavors, and the 1B flavors estimated from a

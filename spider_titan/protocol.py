@@ -85,6 +85,9 @@ class ModelSpec:
                       cross-entropy unless a model says otherwise
     train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
                       ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise)
+    moe_tokens_per_byte: ``args -> float``, the tokens a MoE layer sees per input byte (Spider's core
+                      runs on segments: 1 / target_bytes_per_segment); sizes expert parallel's
+                      fixed-capacity dispatch. None: 1.
     eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
                       calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
                       ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
@@ -101,6 +104,7 @@ class ModelSpec:
     eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
     train_inputs: tuple[str, ...] = ()
+    moe_tokens_per_byte: Callable[[Any], float] | None = None
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
@@ -123,3 +127,9 @@ class ModelSpec:
             for name, block in mod.named_children():
                 out.append((f"{container}.{name}", block))
         return out
+
+
+PostStepHook = Callable[[], "dict[str, torch.Tensor] | None"]
+"""The one after-step seam (components/builder.py ``Run.post_step_hooks``): called after every optimizer
+step; returns None, or device scalars of that step to log with its metrics (averaged over ranks, read
+only at log steps: a hook must not sync), e.g. expert parallel's dropped-token fraction."""

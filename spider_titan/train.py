@@ -211,16 +211,20 @@ class Trainer:
                 aux_totals[key] = aux_totals.get(key, 0) + value.detach().float() / accum
 
         grad_norm = clip_grad_norm_(list(model.parameters()), self.cfg.training.max_norm)
+        step_reports: dict[str, torch.Tensor] = {}
         bad = self.health.record(step, ce_total / global_tokens * dp, grad_norm, label_tokens)
         if not self.health.skip_update(step, bad):  # reads ``bad`` only with training.skip_nonfinite_steps
             run.optimizer.step()
             for hook in run.post_step_hooks:
-                hook()
+                reported = hook()  # None, or device scalars of this step (protocol.PostStepHook)
+                if reported:
+                    step_reports.update(reported)
         run.lr_scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
 
         metrics = {"ce_sum": ce_total, "label_tokens": global_tokens, "grad_norm": grad_norm}
         metrics.update({AUX + k: v for k, v in aux_totals.items()})
+        metrics.update({AUX + k: v.detach().float() for k, v in step_reports.items()})
         return metrics
 
     def train(self) -> int:

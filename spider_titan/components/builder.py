@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE, CommCounter
 from spider_titan.parallel.compile import apply_compile
 from spider_titan.parallel.mesh import ParallelDims, use_fsdp
-from spider_titan.protocol import DTYPES, ModelSpec
+from spider_titan.protocol import DTYPES, ModelSpec, PostStepHook
 
 logger = logging.getLogger("spider_titan")
 
@@ -72,8 +71,9 @@ class Run:
     autocast_dtype: torch.dtype | None
     # The one after-step seam: callables run after every optimizer step, in this order. Converters
     # (float8 scale precompute), the parallelize component (the comm counter's step) and load
-    # balancers (the MoE bias update) each return theirs from their apply function.
-    post_step_hooks: list[Callable[[], None]] = field(default_factory=list)
+    # balancers (the MoE bias update) each return theirs from their apply function; a hook may hand
+    # back device scalars to log with the step (protocol.PostStepHook).
+    post_step_hooks: list[PostStepHook] = field(default_factory=list)
     dump_folder: Path = Path(".")
 
 
@@ -103,9 +103,7 @@ def total_steps(cfg: JobConfig, dp_degree: int) -> int:
     return t.steps
 
 
-def build_model(
-    cfg: JobConfig, post_step_hooks: list[Callable[[], None]] | None = None
-) -> tuple[ModelSpec, Any, nn.Module]:
+def build_model(cfg: JobConfig, post_step_hooks: list[PostStepHook] | None = None) -> tuple[ModelSpec, Any, nn.Module]:
     """Steps 3-7: the model on the meta device, converted, with its MoE backend, AC and compile."""
     spec = registry.get("model", cfg.model.name)
     args = spec.build_args(cfg.model.flavor, model_args_overrides(cfg))
@@ -198,7 +196,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
         )
 
     # 3)-7) model on meta, converters, MoE backend, activation checkpointing, compile
-    post_step_hooks: list[Callable[[], None]] = []  # run after every optimizer step, in this order
+    post_step_hooks: list[PostStepHook] = []  # run after every optimizer step, in this order
     spec, args, model = build_model(cfg, post_step_hooks)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s/%s: %.2f M parameters", cfg.model.name, cfg.model.flavor, n_params / 1e6)
@@ -207,6 +205,11 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     materialize(model, device, cfg.training.seed)
 
     # 9) parallelize; the comm counter (optional) closes its step in the post-step hooks
+    par = cfg.parallelism
+    if par.expert_parallel_dispatch == "capacity" and par.expert_capacity_tokens == 0:
+        per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else 1.0
+        par.expert_capacity_tokens = math.ceil(cfg.training.local_batch_size * cfg.training.seq_len * per_byte)
+        logger.info("expert parallel: capacity dispatch planned for %d tokens per MoE call", par.expert_capacity_tokens)
     counter = CommCounter(dump_folder / COMM_COUNTS_FILE) if cfg.parallelism.comm_counter else None
     parallelize = cfg.parallelism.name
     post_step_hooks.extend(

@@ -193,6 +193,19 @@ class Parallelism:
     """FSDP shard degree; -1 = whatever is left of the world size."""
     expert_parallel_degree: int = 1
     """Ranks that split the experts of each MoE layer (dim 0 of the grouped weights)."""
+    expert_parallel_dispatch: Literal["dynamic", "capacity"] = "dynamic"
+    """How tokens reach the experts' ranks in training. ``dynamic``: exact split sizes, one host read
+    per MoE call, nothing dropped. ``capacity``: every rank sends each expert a fixed number of rows
+    (``expert_capacity_factor``), no host read, an expert's overflow dropped and logged as
+    ``moe_dropped_frac`` (parallel/expert_parallel.py; evaluation stays dynamic)."""
+    expert_capacity_factor: float = ranged(1.25, low=0, low_open=True)
+    """``capacity`` dispatch: rows each rank sends each expert per MoE call = this x the balanced
+    share ``expert_capacity_tokens x top_k / n_experts``, rounded up to 16."""
+    expert_capacity_tokens: int = ranged(0, low=0)
+    """``capacity`` dispatch: the tokens one MoE call on one rank is planned for (the split sizes
+    must be the same on every rank and known before the call, so they come from the config, not
+    from the batch). 0: ``training.local_batch_size x training.seq_len x`` the model's MoE tokens
+    per byte (Spider: 1 / target_bytes_per_segment), resolved at start-up and logged."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """``default`` reshards every block but the root after forward; ``never`` keeps parameters
     gathered between forward and backward (more memory, fewer all-gathers)."""

@@ -109,7 +109,9 @@ class GroupedExperts(nn.Module):
         the float8 converter overrides this method."""
         return _GroupedMM.apply(a, b, offs)
 
-    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """``counts (E,)``: the routed pairs per expert without padding (expert parallel's
+        fixed-capacity dispatch counts its drops with them; unused here)."""
         return self.swiglu(x_exp, offs, self.w1, self.w3, self.w2)
 
     def swiglu(
@@ -230,7 +232,7 @@ class MoE(nn.Module):
         rmap = self.backend.build_map(topk_idx, self.n_experts, self.align)
         # Cast before the expand: it then moves (and expert parallel all-to-alls) compute-dtype rows.
         x_exp = self.backend.expand(x2.to(compute_dtype(x2)), rmap)  # (R, dim)
-        y_exp = self.experts(x_exp, rmap.offs)  # (R, dim)
+        y_exp = self.experts(x_exp, rmap.offs, rmap.counts)  # (R, dim)
         y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
         real = self._real_tokens(scores, token_mask)  # (T,)
         counts = self._counts(topk_idx, real)  # (E,), this rank's

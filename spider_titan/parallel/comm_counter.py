@@ -57,6 +57,11 @@ class CommCounter:
                 f.write(json.dumps({"step": len(self.steps), "rank": 0, **tally}) + "\n")
         return tally
 
+    def post_step(self) -> None:
+        """The post-step hook (``protocol.PostStepHook``): closes the step; its bytes go to the file,
+        not to the step's metrics."""
+        self.step()
+
 
 def step_total(tally: dict[str, dict[str, int]], kind: str, prefix: str = "") -> int:
     """Bytes of ``kind`` in one step's tally, over the tags that start with ``prefix``."""

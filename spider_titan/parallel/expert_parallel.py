@@ -27,9 +27,25 @@ One layer call, E experts, El = E/ep local experts:
 The all-to-all's backward is the all-to-all with the splits swapped, so each expert's weight
 gradient sums the contributions of the tokens of all ``ep`` ranks: parallelize.py divides the
 expert gradients by the data-parallel degree, not by the size of their FSDP mesh ("efsdp").
+
+Fixed-capacity dispatch (``parallelism.expert_parallel_dispatch = "capacity"``, training only):
+every rank sends every expert exactly C rows, C = ``expert_capacity_factor`` x the balanced share
+``expert_capacity_tokens x top_k / E``, rounded up to a multiple of 16 (:func:`capacity_rows`). C
+comes from the config, not from the batch: a rank's token count changes with its segmentation, and
+every rank must know what every other sends. The split sizes are then known before the call: no
+count exchange, no host read, one equal-split all-to-all each way (GShard / Switch). An expert's rows past C are dropped: they come back zero, so
+that (token, slot) pair adds nothing and the token keeps its residual path. Slots not filled are
+zero rows, which the experts map to zero (SwiGLU without biases) and which add nothing to the
+weight gradients. The dropped (token, slot) pairs are counted on the device and logged as
+``moe_dropped_frac`` (a post-step hook, parallelize.py). Evaluation always uses the dynamic path, so
+validation is never scored on dropped tokens. The price: C·E rows cross the network each way
+instead of the R actually routed (factor 1.25: ~25 % more bytes when balanced), the experts
+compute on the empty slots, and under imbalance the dropped pairs (docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -39,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from spider_titan.moe.layer import GroupedExperts, MoE
-from spider_titan.moe.routing_replay import replay_or_record
+from spider_titan.moe.routing_replay import is_recomputing, replay_or_record
 from spider_titan.parallel.comm_counter import CommCounter
 from spider_titan.parallel.mesh import experts_split_problem
 
@@ -100,8 +116,41 @@ def _check_splits(send_splits: list[int], recv_splits: list[int], rows: int) -> 
     """Facts about the split sizes that torch.compile cannot know (they come from the host read, so
     under compile they are unbacked symbols): non-negative, and what is sent fits in the buffer."""
     for s in (*send_splits, *recv_splits):
-        torch._check_is_size(s)
+        torch._check(s >= 0)
     torch._check(sum(send_splits) <= rows)
+
+
+CAPACITY_ALIGN = 16  # rows; keeps every local expert's group 16-aligned (fp8 grouped GEMM, GEMM tiles)
+
+
+def capacity_rows(factor: float, tokens: int, top_k: int, n_experts: int) -> int:
+    """C: ``factor`` x the balanced share ``tokens * top_k / n_experts``, rounded up to a multiple of
+    :data:`CAPACITY_ALIGN` (module docstring)."""
+    share = math.ceil(factor * tokens * top_k / n_experts)
+    return max(CAPACITY_ALIGN, -(-share // CAPACITY_ALIGN) * CAPACITY_ALIGN)
+
+
+def capacity_layout(offs: torch.Tensor, capacity: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed-capacity layout of one MoE call's expert-major buffer, on the device (no host read).
+
+    ``offs (E,)``: cumulative ends of the experts' row segments in the ``rows``-row buffer.
+    Returns ``send (E * capacity,)``: the buffer row that fills each (expert, slot), ``rows`` for an
+    empty slot (a zero row appended to the buffer); and ``back (rows,)``: the (expert, slot) each
+    buffer row's output comes from, ``E * capacity`` (a zero row) for a dropped or padding row.
+    """
+    E = offs.shape[0]
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    starts = ends - counts
+    slot = torch.arange(capacity, device=offs.device)
+    filled = slot < counts.unsqueeze(1)  # (E, C)
+    send = torch.where(filled, starts.unsqueeze(1) + slot, rows).reshape(-1)
+    row = torch.arange(rows, device=offs.device)
+    expert = torch.searchsorted(ends, row, right=True).clamp(max=E - 1)  # segment of each row
+    pos = row - starts[expert]
+    kept = (row < ends[-1]) & (pos < capacity)
+    back = torch.where(kept, expert * capacity + pos, E * capacity)
+    return send, back
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -119,8 +168,14 @@ class ExpertParallelExperts(GroupedExperts):
     ep_size: int
     comm_counter: CommCounter | None
     comm_tag: str
+    dispatch: str  # "dynamic" | "capacity"
+    capacity: int  # C, rows this rank sends each expert per call (capacity dispatch)
+    dropped_pairs: torch.Tensor  # () fp32, this step's dropped (token, slot) pairs (capacity dispatch)
+    routed_pairs: torch.Tensor  # () fp32, this step's routed pairs
 
-    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dispatch == "capacity" and self.training:
+            return self._forward_capacity(x_exp, offs, counts)
         ep, group = self.ep_size, self.ep_group
         n_local = self.n_experts // ep
         # Recorded in forward, replayed by an activation-checkpoint recompute (routing_replay.py):
@@ -139,6 +194,28 @@ class ExpertParallelExperts(GroupedExperts):
         y = all_to_all(y_local[inverse], send_splits, recv_splits, group, self.comm_counter, self.comm_tag)
         return F.pad(y, (0, 0, 0, x_exp.shape[0] - n_send))  # padding rows come out zero
 
+    def _forward_capacity(self, x_exp: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """Fixed-capacity dispatch (module docstring): static splits, no host read."""
+        ep, group = self.ep_size, self.ep_group
+        E, rows, dim = self.n_experts, x_exp.shape[0], x_exp.shape[1]
+        n_local, C = E // ep, self.capacity
+        send, back = capacity_layout(offs, C, rows)
+        splits = [n_local * C] * ep  # rank-major: expert e's C slots go to rank e // n_local
+        x_send = F.pad(x_exp, (0, 0, 0, 1))[send]  # (E*C, dim), empty slots zero
+        x_recv = all_to_all(x_send, splits, splits, group, self.comm_counter, self.comm_tag)  # [source][expert][slot]
+        x_local = x_recv.view(ep, n_local, C, dim).transpose(0, 1).reshape(n_local * ep * C, dim)  # expert-major
+        offs_local = torch.arange(1, n_local + 1, device=x_exp.device, dtype=torch.int32) * (ep * C)
+        y_local = self.swiglu(x_local, offs_local, _local(self.w1), _local(self.w3), _local(self.w2))
+        y_back = y_local.view(n_local, ep, C, dim).transpose(0, 1).reshape(ep * n_local * C, dim)
+        y = all_to_all(y_back, splits, splits, group, self.comm_counter, self.comm_tag)  # (E*C, dim), mine again
+        if not is_recomputing():  # an activation-checkpoint recompute routes the same pairs again
+            real = (
+                counts if counts is not None else torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long))
+            )
+            self.dropped_pairs += (real - C).clamp(min=0).sum().float()
+            self.routed_pairs += real.sum().float()
+        return F.pad(y, (0, 0, 0, 1))[back]  # dropped and padding rows come out zero
+
     def _exchange_counts(self, offs: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
         """Steps 1-2: (rows I send to each rank, rows I receive from each, recv (ep * El,))."""
         ep, n_local = self.ep_size, self.n_experts // self.ep_size
@@ -154,12 +231,24 @@ class ExpertParallelExperts(GroupedExperts):
         return send_splits, recv_splits, recv
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, counter: CommCounter | None = None) -> int:
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    *,
+    counter: CommCounter | None = None,
+    dispatch: str = "dynamic",
+    capacity_factor: float = 1.25,
+    capacity_tokens: int = 0,
+) -> int:
     """Shard every MoE layer's experts over ``ep_mesh`` (in place); returns how many layers.
 
     The model must already hold its full, initialised weights (the builder materialises before
-    parallelizing): each rank keeps its own slice of dim 0, with no communication.
+    parallelizing): each rank keeps its own slice of dim 0, with no communication. ``dispatch``:
+    ``dynamic`` (exact splits, one host read per call) or ``capacity`` (module docstring; C from
+    ``capacity_factor`` and ``capacity_tokens``, the tokens of one call).
     """
+    if dispatch == "capacity" and capacity_tokens < 1:
+        raise ValueError("expert parallel: capacity dispatch needs capacity_tokens >= 1 (tokens of one MoE call)")
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, MoE)]
     for fqn, moe in layers:
@@ -177,4 +266,24 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, counter: Com
         experts.ep_size = ep
         experts.comm_counter = counter
         experts.comm_tag = f"{fqn}.experts"
+        experts.dispatch = dispatch
+        experts.capacity = capacity_rows(capacity_factor, capacity_tokens, moe.top_k, experts.n_experts)
+        for name in ("dropped_pairs", "routed_pairs"):
+            experts.register_buffer(name, torch.zeros((), device=experts.w1.device), persistent=False)
     return len(layers)
+
+
+def dropped_pairs_report(model: nn.Module):
+    """The post-step hook of capacity dispatch: the step's fraction of dropped (token, slot) pairs
+    over every expert-parallel layer (device scalars; the counters restart for the next step)."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+
+    def report() -> dict[str, torch.Tensor]:
+        dropped = torch.stack([m.dropped_pairs for m in layers]).sum()
+        routed = torch.stack([m.routed_pairs for m in layers]).sum()
+        for m in layers:
+            m.dropped_pairs.zero_()
+            m.routed_pairs.zero_()
+        return {"moe_dropped_frac": dropped / routed.clamp(min=1.0)}
+
+    return report

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,10 +21,10 @@ from spider_titan.config.job_config import Parallelism
 from spider_titan.distributed import differentiable_all_reduce_sum
 from spider_titan.moe.layer import MoE
 from spider_titan.parallel.comm_counter import CommCounter
-from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel, dropped_pairs_report
 from spider_titan.parallel.fsdp import apply_forward_prefetch, apply_fsdp, device_memory_bytes, keep_gathered
 from spider_titan.parallel.mesh import ParallelDims, fsdp_problems, use_fsdp
-from spider_titan.protocol import ModelSpec
+from spider_titan.protocol import ModelSpec, PostStepHook
 
 logger = logging.getLogger("spider_titan")
 
@@ -94,7 +93,7 @@ def apply_parallelism(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     counter: CommCounter | None = None,
-) -> list[Callable[[], None]]:
+) -> list[PostStepHook]:
     """``cfg`` is the [parallelism] section; the dtypes are the ones chosen for the device.
 
     With a ``counter`` (``parallelism.comm_counter``; the builder makes it) every collective counts
@@ -110,10 +109,19 @@ def apply_parallelism(
     problems = fsdp_problems(cfg, dims)
     if problems:
         raise ValueError("\n".join(problems))
-    hooks: list[Callable[[], None]] = [counter.step] if counter is not None else []
+    hooks: list[PostStepHook] = [counter.post_step] if counter is not None else []
     expert_params: list[nn.Parameter] = []
     if dims.ep_enabled:
-        n = apply_expert_parallel(model, meshes["ep"], counter=counter)
+        n = apply_expert_parallel(
+            model,
+            meshes["ep"],
+            counter=counter,
+            dispatch=cfg.expert_parallel_dispatch,
+            capacity_factor=cfg.expert_capacity_factor,
+            capacity_tokens=cfg.expert_capacity_tokens,
+        )
+        if cfg.expert_parallel_dispatch == "capacity":
+            hooks.append(dropped_pairs_report(model))
         expert_params = [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()]
         logger.info("expert parallel: experts of %d MoE layers sharded over %d ranks", n, dims.ep)
         for owner in _loop_owners(spec):

@@ -261,6 +261,9 @@ BAD_VALUES = [
     (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree"),
     (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
     (["--parallelism.fsdp_keep_core_gathered_fraction", "1.5"], "parallelism.fsdp_keep_core_gathered_fraction"),
+    (["--parallelism.expert_capacity_factor", "0"], "parallelism.expert_capacity_factor"),
+    (["--parallelism.expert_capacity_tokens", "-1"], "parallelism.expert_capacity_tokens"),
+    (["--parallelism.expert_parallel_dispatch", "static"], "parallelism.expert_parallel_dispatch"),
     (
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
         "activation_checkpoint.selective_ac_option",

@@ -11,6 +11,7 @@ read), and count the calls that would wait on a GPU with tests/sync_counter.py o
 * spider_1b_fp8_fsdp_ep (2 gloo ranks, EP 2): those, plus one read per expert-parallel dispatch
   (the split sizes of the token all-to-all, parallel/expert_parallel.py): n_core x n_loops per
   micro-batch; an activation-checkpoint recompute replays the forward's, it does not read again.
+  With ``parallelism.expert_parallel_dispatch = "capacity"`` (static split sizes) none of those.
 
 The one exception allowed: moe/base.py's range check of the routing indices takes a readable
 ValueError branch on CPU only; on a GPU the same line is ``torch._assert_async`` (no sync).
@@ -115,21 +116,30 @@ def test_spider_1b_reads_only_the_segment_count(tmp_path, in_process):
 def _ep_worker(rank: int, store: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    # EP 2 on 2 ranks (the config's 4 needs 8); everything else as configured
-    extra = ("--parallelism.expert_parallel_degree", "2")
-    sites, micro_batches, dispatches = count_one_step("spider_1b_fp8_fsdp_ep.toml", Path(out) / "run", extra)
+    counts = {}
+    for dispatch in ("dynamic", "capacity"):
+        # (the trainer's close() ends the process group, so each run starts its own)
+        dist.init_process_group("gloo", init_method=f"file://{store}.{dispatch}", rank=rank, world_size=2)
+        # EP 2 on 2 ranks (the config's 4 needs 8); everything else as configured
+        extra = ("--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_dispatch", dispatch)
+        sites, micro_batches, dispatches = count_one_step("spider_1b_fp8_fsdp_ep.toml", Path(out) / dispatch, extra)
+        counts[dispatch] = {"sites": dict(sites), "micro_batches": micro_batches, "dispatches": dispatches}
     if rank == 0:
-        torch.save({"sites": dict(sites), "micro_batches": micro_batches, "dispatches": dispatches}, Path(out) / "c.pt")
+        torch.save(counts, Path(out) / "c.pt")
 
 
 @pytest.mark.slow
-def test_expert_parallel_config_reads_once_per_dispatch(tmp_path):
+def test_expert_parallel_config_reads_once_per_dynamic_dispatch_and_never_with_capacity(tmp_path):
+    """Dynamic dispatch: one read per dispatch. Fixed-capacity dispatch: none, only the segment count."""
     mp.spawn(_ep_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    got = torch.load(tmp_path / "c.pt")
-    sites = Counter(got["sites"])
-    print("\nspider_1b_fp8_fsdp_ep (EP 2, rank 0), syncs in one step:", dict(sites))
-    files = by_file(sites)
-    assert set(files) <= {SEGMENT_COUNT, EP_SPLITS, CPU_ONLY_CHECK}, sites
-    assert files[SEGMENT_COUNT] == got["micro_batches"]
-    assert files[EP_SPLITS] == got["micro_batches"] * got["dispatches"]
+    counts = torch.load(tmp_path / "c.pt")
+    for dispatch, got in counts.items():
+        sites = Counter(got["sites"])
+        print(f"\nspider_1b_fp8_fsdp_ep (EP 2, rank 0, {dispatch} dispatch), syncs in one step:", dict(sites))
+        files = by_file(sites)
+        assert files[SEGMENT_COUNT] == got["micro_batches"]
+        if dispatch == "dynamic":
+            assert set(files) <= {SEGMENT_COUNT, EP_SPLITS, CPU_ONLY_CHECK}, sites
+            assert files[EP_SPLITS] == got["micro_batches"] * got["dispatches"]
+        else:
+            assert set(files) <= {SEGMENT_COUNT, CPU_ONLY_CHECK}, sites

@@ -247,6 +247,11 @@ def spider_eval_variants(args: SpiderArgs) -> list[tuple[str, dict]]:
     return out
 
 
+def spider_moe_tokens_per_byte(args: SpiderArgs) -> float:
+    """The core's MoE layers see segments: about one token per ``target_bytes_per_segment`` bytes."""
+    return 1.0 / args.target_bytes_per_segment
+
+
 SPIDER_SPEC = ModelSpec(
     name="spider",
     args_cls=SpiderArgs,
@@ -257,4 +262,5 @@ SPIDER_SPEC = ModelSpec(
     recurrent_containers=("core.layers",),
     eval_variants=spider_eval_variants,
     train_inputs=("sample_ids",),  # boundary noise keyed by global sample index
+    moe_tokens_per_byte=spider_moe_tokens_per_byte,
 )
