@@ -275,12 +275,13 @@ def benchmark_ep_capacity(args: argparse.Namespace) -> dict:
     """Expert-parallel all-to-all bytes and dropped pairs per step: dynamic dispatch vs fixed capacity
     at ``CAPACITY_FACTORS``, on the routing of a real training run (``python -m spider_titan.train``:
     debug flavor, built-in corpus, 2 gloo ranks, EP 2, comm counter on). Each mode trains
-    ``capacity_steps`` (default 60) steps from the same seed; the figures are means over the second
-    half (the router has left its uniform start), and the last logged loss shows what dropping cost."""
+    ``capacity_steps`` (default 150) steps from the same seed; the figures are means over the second
+    half (the segmentation has settled near its target rate by then, so the tokens per call are close
+    to what the capacity is planned for), and the last logged loss shows what dropping cost."""
     import subprocess
     import sys
 
-    steps = int(getattr(args, "capacity_steps", None) or 60)
+    steps = int(getattr(args, "capacity_steps", None) or 150)
     root = Path(__file__).resolve().parents[1]
     modes = [("dynamic", None)] + [("capacity", f) for f in CAPACITY_FACTORS]
     results = {}
@@ -311,6 +312,11 @@ def benchmark_ep_capacity(args: argparse.Namespace) -> dict:
                 "dropped_pair_fraction": round(sum(dropped) / len(dropped), 4),
                 "max_dropped_pair_fraction": round(max(dropped), 4),
                 "final_loss": round([m for m in metrics if "loss" in m][-1]["loss"], 4),
+                "bytes_per_segment": round(
+                    sum(m["bytes_per_segment"] for m in metrics if "loss" in m and m["step"] > steps // 2)
+                    / len(dropped),
+                    2,
+                ),
             }
     base = results["dynamic"]["all_to_all_bytes_per_step"]
     for r in results.values():

@@ -109,9 +109,9 @@ class GroupedExperts(nn.Module):
         the float8 converter overrides this method."""
         return _GroupedMM.apply(a, b, offs)
 
-    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
-        """``counts (E,)``: the routed pairs per expert without padding (expert parallel's
-        fixed-capacity dispatch counts its drops with them; unused here)."""
+    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None = None) -> torch.Tensor:
+        """``row_real (R,)`` bool: the rows that hold a real (not padding) token. Unused here; expert
+        parallel's fixed-capacity dispatch fills capacity with them first and counts drops of them."""
         return self.swiglu(x_exp, offs, self.w1, self.w3, self.w2)
 
     def swiglu(
@@ -232,9 +232,11 @@ class MoE(nn.Module):
         rmap = self.backend.build_map(topk_idx, self.n_experts, self.align)
         # Cast before the expand: it then moves (and expert parallel all-to-alls) compute-dtype rows.
         x_exp = self.backend.expand(x2.to(compute_dtype(x2)), rmap)  # (R, dim)
-        y_exp = self.experts(x_exp, rmap.offs, rmap.counts)  # (R, dim)
-        y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
         real = self._real_tokens(scores, token_mask)  # (T,)
+        pos = rmap.pos_to_token
+        row_real = torch.where(pos >= 0, real[pos.clamp(min=0)], 0.0) > 0  # (R,) rows of real tokens
+        y_exp = self.experts(x_exp, rmap.offs, row_real)  # (R, dim)
+        y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
         counts = self._counts(topk_idx, real)  # (E,), this rank's
         stats = self._stats(scores, counts, real)
         # Training forwards only: not evaluation (its routing must not steer the next update), not

@@ -34,7 +34,9 @@ every rank sends every expert exactly C rows, C = ``expert_capacity_factor`` x t
 comes from the config, not from the batch: a rank's token count changes with its segmentation, and
 every rank must know what every other sends. The split sizes are then known before the call: no
 count exchange, no host read, one equal-split all-to-all each way (GShard / Switch). An expert's rows past C are dropped: they come back zero, so
-that (token, slot) pair adds nothing and the token keeps its residual path. Slots not filled are
+that (token, slot) pair adds nothing and the token keeps its residual path. Real tokens fill an
+expert's slots first, then padding tokens (the MoE layer hands the experts ``row_real``), each in
+buffer order, so a short row's padding never crowds out another row's real segment. Slots not filled are
 zero rows, which the experts map to zero (SwiGLU without biases) and which add nothing to the
 weight gradients. The dropped (token, slot) pairs are counted on the device and logged as
 ``moe_dropped_frac`` (a post-step hook, parallelize.py). Evaluation always uses the dynamic path, so
@@ -130,10 +132,14 @@ def capacity_rows(factor: float, tokens: int, top_k: int, n_experts: int) -> int
     return max(CAPACITY_ALIGN, -(-share // CAPACITY_ALIGN) * CAPACITY_ALIGN)
 
 
-def capacity_layout(offs: torch.Tensor, capacity: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def capacity_layout(
+    offs: torch.Tensor, capacity: int, rows: int, row_real: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed-capacity layout of one MoE call's expert-major buffer, on the device (no host read).
 
-    ``offs (E,)``: cumulative ends of the experts' row segments in the ``rows``-row buffer.
+    ``offs (E,)``: cumulative ends of the experts' row segments in the ``rows``-row buffer;
+    ``row_real (rows,)`` bool (None: all real): an expert's slots go to its real-token rows first, in
+    buffer order, then to the rest (padding tokens), so padding never crowds out a real token.
     Returns ``send (E * capacity,)``: the buffer row that fills each (expert, slot), ``rows`` for an
     empty slot (a zero row appended to the buffer); and ``back (rows,)``: the (expert, slot) each
     buffer row's output comes from, ``E * capacity`` (a zero row) for a dropped or padding row.
@@ -142,12 +148,19 @@ def capacity_layout(offs: torch.Tensor, capacity: int, rows: int) -> tuple[torch
     ends = offs.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     starts = ends - counts
-    slot = torch.arange(capacity, device=offs.device)
-    filled = slot < counts.unsqueeze(1)  # (E, C)
-    send = torch.where(filled, starts.unsqueeze(1) + slot, rows).reshape(-1)
     row = torch.arange(rows, device=offs.device)
     expert = torch.searchsorted(ends, row, right=True).clamp(max=E - 1)  # segment of each row
-    pos = row - starts[expert]
+    if row_real is None:
+        order = row  # the buffer order already
+    else:  # stable: within an expert, real rows first, each group in buffer order
+        key = torch.where(row < ends[-1], expert * 2 + (~row_real).long(), 2 * E)
+        order = torch.sort(key, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = row  # each row's place in its expert's priority order (segment starts unchanged)
+    slot = torch.arange(capacity, device=offs.device)
+    filled = slot < counts.unsqueeze(1)  # (E, C)
+    send = torch.where(filled, order[(starts.unsqueeze(1) + slot).clamp(max=rows - 1)], rows).reshape(-1)
+    pos = rank - starts[expert]
     kept = (row < ends[-1]) & (pos < capacity)
     back = torch.where(kept, expert * capacity + pos, E * capacity)
     return send, back
@@ -173,9 +186,9 @@ class ExpertParallelExperts(GroupedExperts):
     dropped_pairs: torch.Tensor  # () fp32, this step's dropped (token, slot) pairs (capacity dispatch)
     routed_pairs: torch.Tensor  # () fp32, this step's routed pairs
 
-    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None = None) -> torch.Tensor:
         if self.dispatch == "capacity" and self.training:
-            return self._forward_capacity(x_exp, offs, counts)
+            return self._forward_capacity(x_exp, offs, row_real)
         ep, group = self.ep_size, self.ep_group
         n_local = self.n_experts // ep
         # Recorded in forward, replayed by an activation-checkpoint recompute (routing_replay.py):
@@ -194,12 +207,12 @@ class ExpertParallelExperts(GroupedExperts):
         y = all_to_all(y_local[inverse], send_splits, recv_splits, group, self.comm_counter, self.comm_tag)
         return F.pad(y, (0, 0, 0, x_exp.shape[0] - n_send))  # padding rows come out zero
 
-    def _forward_capacity(self, x_exp: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    def _forward_capacity(self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None) -> torch.Tensor:
         """Fixed-capacity dispatch (module docstring): static splits, no host read."""
         ep, group = self.ep_size, self.ep_group
         E, rows, dim = self.n_experts, x_exp.shape[0], x_exp.shape[1]
         n_local, C = E // ep, self.capacity
-        send, back = capacity_layout(offs, C, rows)
+        send, back = capacity_layout(offs, C, rows, row_real)
         splits = [n_local * C] * ep  # rank-major: expert e's C slots go to rank e // n_local
         x_send = F.pad(x_exp, (0, 0, 0, 1))[send]  # (E*C, dim), empty slots zero
         x_recv = all_to_all(x_send, splits, splits, group, self.comm_counter, self.comm_tag)  # [source][expert][slot]
@@ -209,11 +222,12 @@ class ExpertParallelExperts(GroupedExperts):
         y_back = y_local.view(n_local, ep, C, dim).transpose(0, 1).reshape(ep * n_local * C, dim)
         y = all_to_all(y_back, splits, splits, group, self.comm_counter, self.comm_tag)  # (E*C, dim), mine again
         if not is_recomputing():  # an activation-checkpoint recompute routes the same pairs again
-            real = (
-                counts if counts is not None else torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long))
-            )
-            self.dropped_pairs += (real - C).clamp(min=0).sum().float()
-            self.routed_pairs += real.sum().float()
+            ends = offs.long()
+            real = torch.ones(rows, device=x_exp.device) if row_real is None else row_real.float()
+            seg = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)  # E: past the end
+            per_expert = real.new_zeros(E + 1).scatter_add_(0, seg, real)[:E]  # real pairs per expert
+            self.dropped_pairs += (per_expert - C).clamp(min=0).sum()
+            self.routed_pairs += per_expert.sum()
         return F.pad(y, (0, 0, 0, 1))[back]  # dropped and padding rows come out zero
 
     def _exchange_counts(self, offs: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:

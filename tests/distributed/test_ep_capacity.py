@@ -12,29 +12,34 @@ import torch
 from spider_titan.parallel.expert_parallel import CAPACITY_ALIGN, capacity_layout, capacity_rows
 
 
-def _reference_layout(offs: list[int], capacity: int, rows: int) -> tuple[list[int], list[int]]:
+def _reference_layout(offs: list[int], capacity: int, rows: int, real: list[bool]) -> tuple[list[int], list[int]]:
     send, back = [], [len(offs) * capacity] * rows
     start = 0
     for e, end in enumerate(offs):
+        members = [r for r in range(start, end) if real[r]] + [r for r in range(start, end) if not real[r]]
         for slot in range(capacity):
-            row = start + slot
-            send.append(row if row < end else rows)
-            if row < end:
-                back[row] = e * capacity + slot
+            send.append(members[slot] if slot < len(members) else rows)
+            if slot < len(members):
+                back[members[slot]] = e * capacity + slot
         start = end
     return send, back
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(6))
 def test_capacity_layout_matches_a_loop(seed):
+    """Each expert's slots go to its real rows first, then its padding rows, each in buffer order."""
     g = torch.Generator().manual_seed(seed)
     E, capacity = 6, int(torch.randint(1, 6, (), generator=g))
     counts = torch.randint(0, 9, (E,), generator=g)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     rows = int(offs[-1]) + int(torch.randint(0, 4, (), generator=g))  # padding rows past the last expert
-    send, back = capacity_layout(offs, capacity, rows)
-    ref_send, ref_back = _reference_layout(offs.tolist(), capacity, rows)
+    real = torch.rand(rows, generator=g) < (0.7 if seed % 2 else 1.0)
+    send, back = capacity_layout(offs, capacity, rows, real)
+    ref_send, ref_back = _reference_layout(offs.tolist(), capacity, rows, real.tolist())
     assert send.tolist() == ref_send and back.tolist() == ref_back
+    if seed % 2 == 0:  # all real: the same layout as no mask at all
+        plain = capacity_layout(offs, capacity, rows)
+        assert torch.equal(plain[0], send) and torch.equal(plain[1], back)
 
 
 def test_capacity_rows_rounds_the_balanced_share_up():
