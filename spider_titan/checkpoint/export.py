@@ -56,6 +56,7 @@ from spider_titan.checkpoint.layout import (
     read_meta,
     resolve_checkpoint,
 )
+from spider_titan.hf.bundle import TOKENIZER_CONFIG, hf_config_keys, write_hf_files
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1
@@ -64,6 +65,8 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MARKER_FILE = ".spider_titan_export"  # {"format", "format_version", "step", "time"}: this folder is ours
 SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+HF_SOURCE_RE = re.compile(r"^(st_\w+|configuration_spider|modeling_spider|tokenization_spider)\.py$")  # hf/bundle.py
+HF_MODELS = ("spider",)  # models whose exports also load with transformers
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the usual 5 GB per file of hub exports
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -228,6 +231,9 @@ def _write_files(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
     config = export_config(identity, dtype, step=step, num_parameters=sum(t.numel() for t in cast.values()))
+    if identity.name in HF_MODELS:  # loadable by transformers' Auto classes too (docs/hf.md)
+        config.update(hf_config_keys(identity.args))
+        write_hf_files(tmp)
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     marker = {
         "format": "spider_titan safetensors export",
@@ -291,8 +297,8 @@ def is_own_export(path: Path) -> bool:
 
 def _foreign(names: set[str]) -> list[str]:
     """The names among ``names`` that an export never writes."""
-    ours = {CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, MARKER_FILE}
-    return sorted(n for n in names if n not in ours and not SHARD_RE.match(n))
+    ours = {CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, MARKER_FILE, TOKENIZER_CONFIG}
+    return sorted(n for n in names if n not in ours and not SHARD_RE.match(n) and not HF_SOURCE_RE.match(n))
 
 
 def _listing(path: Path, names: list[str], limit: int = 4) -> str:

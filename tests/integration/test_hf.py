@@ -1,0 +1,144 @@
+"""An export loads with transformers' Auto classes and runs under lm-evaluation-harness (docs/hf.md).
+
+The model is a randomly initialised debug Spider written by the exporter itself (``write_export``),
+fp32; transformers and lm_eval come with the ``hf`` extra (in the test extra)."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from spider_titan.checkpoint.export import write_export
+from spider_titan.checkpoint.layout import ModelIdentity
+from spider_titan.generation import load_model
+from spider_titan.hf.bundle import bundled_source, flat_name, source_closure
+from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+from spider_titan.vocab import BOS_ID
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Byte-level models read UTF-8: naïve café, 東京, and emoji 🕷️ alike.",
+    "def f(x):\n    return x * 2  # code is text too\n",
+]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    args = SPIDER_FLAVORS["debug"]
+    with torch.device("meta"):
+        model = Spider(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    out = tmp_path_factory.mktemp("hf") / "export"
+    write_export(model.state_dict(), ModelIdentity.of("spider", "debug", args), out, dtype=torch.float32)
+    return out
+
+
+def _auto(export: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export, trust_remote_code=True)
+    return model.eval(), tokenizer
+
+
+def test_auto_classes_load_the_export_and_match_spider_titan(export, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = _auto(export)
+    ref, _ = load_model(export)
+    for text in TEXTS:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        assert ids[0].tolist() == list(text.encode("utf-8"))  # bytes, no specials added
+        assert tokenizer.decode(ids[0]) == text
+        with_bos = torch.cat([torch.tensor([[BOS_ID]]), ids], dim=1)
+        with torch.no_grad():
+            torch.testing.assert_close(model(with_bos).logits, ref(with_bos).logits, rtol=1e-5, atol=1e-5)
+    # generate() (greedy) writes what an argmax loop over spider_titan's own forward writes
+    prompt = torch.tensor([[BOS_ID, *b"Once upon"]])
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    ids = prompt[0].tolist()
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out[0].tolist()[: len(ids)] == ids
+
+
+def test_the_export_holds_the_packages_own_sources(export):
+    """No second copy that could drift: each bundled file is a package module with only its
+    spider_titan imports made relative, and the folder holds exactly the model's import closure."""
+    modules = source_closure()
+    assert {f"{flat_name(m)}.py" for m in modules} == {p.name for p in export.glob("*.py")}
+    assert "spider_titan.models.spider.model" in modules and "spider_titan.moe.layer" in modules
+    for module in modules:
+        bundled = (export / f"{flat_name(module)}.py").read_text()
+        assert bundled == bundled_source(module)
+        original = Path(__import__("spider_titan").__file__).parent.joinpath(*module.split(".")[1:])
+        original = original.with_suffix(".py").read_text().splitlines()
+        changed = [(a, b) for a, b in zip(original, bundled.splitlines()) if a != b]
+        assert all("from spider_titan." in a and "from .st_" in b or "from ." in b for a, b in changed), changed
+    config = json.loads((export / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_spider.SpiderForCausalLM"
+
+
+TASK = """\
+task: spider_local_bpb
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+should_decontaminate: false
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def test_lm_eval_rolling_bits_per_byte_equal_spider_titans(export, tmp_path, monkeypatch):
+    """lm-evaluation-harness on a local task (no network): its bits per byte over the documents
+    equal spider_titan's own, -sum log2 p(byte | [BOS] + the bytes before) / bytes."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "spider_local_bpb.yaml").write_text(textwrap.dedent(TASK.format(data=data)))
+
+    results = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={export},trust_remote_code=True,dtype=float32",
+        tasks=["spider_local_bpb"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        device="cpu",
+        batch_size=1,
+    )
+    got = results["results"]["spider_local_bpb"]["bits_per_byte,none"]
+
+    ref, _ = load_model(export)
+    nll, n_bytes = 0.0, 0
+    with torch.no_grad():
+        for text in TEXTS:
+            raw = list(text.encode("utf-8"))
+            ids = torch.tensor([[BOS_ID, *raw]])
+            logp = ref(ids).logits[0, :-1].double().log_softmax(-1)
+            nll -= float(logp.gather(1, torch.tensor(raw)[:, None]).sum())
+            n_bytes += len(raw)
+    want = nll / n_bytes / math.log(2)
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
