@@ -1,8 +1,9 @@
-"""Sample text from a safetensors export (no training state needed).
+"""Sample text from a safetensors export, or straight from a training run's checkpoint.
 
     python scripts/generate.py --model exports/dense --prompt "def main(" --max_new_bytes 200
     python scripts/generate.py --model outputs/debug_dense/export --prompt "The " --temperature 0 # greedy
     printf 'any \xff bytes' | python scripts/generate.py --model exports/dense --prompt_file -
+    python scripts/generate.py --model outputs/my_run --prompt "def "   # newest checkpoint of a run
 
 The model named in the export's config.json is rebuilt through the registry and fed
 ``[BOS] + prompt bytes``; each next byte is greedy (``--temperature 0``) or drawn at
@@ -31,7 +32,13 @@ from spider_titan.protocol import DTYPES  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, metavar="DIR", help="export folder (config.json + model.safetensors)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="export folder (config.json + model.safetensors), or a run / checkpoint / step-<N> folder "
+        "(the newest complete checkpoint's weights, no export needed)",
+    )
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: empty, start of a document)")
     prompt.add_argument("--prompt_file", metavar="PATH", help="read the prompt's bytes from this file (- = stdin)")

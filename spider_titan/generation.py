@@ -1,11 +1,13 @@
-"""Sampling from a safetensors export: prompt -> bytes -> one next byte at a time.
+"""Sampling from a safetensors export or a training checkpoint: prompt -> bytes -> one next byte at a time.
 
 :func:`load_model` rebuilds the model named in the export's config.json through its registry
 ``ModelSpec`` (on the meta device, then materialised so buffers that are not saved, such as RoPE
 tables, exist), and loads the tensors strictly: no training state and no file of the run needed.
 An export edited or damaged by hand (bad JSON, missing or mistyped args, an unknown model or
 flavor, a missing, cut or reshaped tensor, non-finite weights) is a ValueError naming the file
-and the key or tensor, which ``scripts/generate.py`` prints as one line.
+and the key or tensor, which ``scripts/generate.py`` prints as one line. Given a run folder, its
+checkpoint folder or a ``step-<N>`` folder instead, it reads the model's weights straight from the DCP
+checkpoint (the newest complete one), for a quick look during training without an export.
 
 :func:`generate` recomputes the whole forward for every new byte. That is exact for every model in
 the registry (Spider's segmentation of the prefix can change as it grows) at O(T^2) cost, which
@@ -31,6 +33,7 @@ from spider_titan.checkpoint.export import (
     INDEX_FILE,
     WEIGHTS_FILE,
     load_export_tensors,
+    read_checkpoint_tensors,
     read_export_config,
 )
 from spider_titan.checkpoint.layout import ModelIdentity
@@ -157,6 +160,8 @@ def load_model(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The model of the export folder ``path`` in eval mode, and its config.json."""
     path = Path(path)
+    if not (path / CONFIG_FILE).is_file() and path.is_dir():  # a run, its checkpoint folder or a step
+        return _load_from_checkpoint(path, device=device, dtype=dtype)
     config, identity = _read_config(path)
     spec = registry.get("model", identity.name)
     try:
@@ -193,6 +198,19 @@ def load_model(
                 "saved before the values went non-finite"
             )
     model.load_state_dict(tensors, strict=True)
+    return model.to(dtype).eval(), config
+
+
+def _load_from_checkpoint(path: Path, *, device: torch.device | str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    """The model of the newest complete checkpoint under ``path`` (a run folder, its ``checkpoint``
+    folder or a ``step-<N>`` folder), and a config in the export's shape (``model``, ``step``)."""
+    folder = path / "checkpoint" if (path / "checkpoint").is_dir() else path
+    tensors, meta = read_checkpoint_tensors(folder)
+    identity = ModelIdentity.from_json(meta["model"])
+    model = registry.get("model", identity.name).build_on_meta(identity.build_args())
+    materialize(model, torch.device(device), seed=0)
+    model.load_state_dict(tensors, strict=True)
+    config = {"model": {"name": identity.name, "flavor": identity.flavor, "args": identity.args}, "step": meta["step"]}
     return model.to(dtype).eval(), config
 
 

@@ -51,3 +51,47 @@ def test_generate_cli_matches_the_library(tmp_path):
     loaded, _ = load_model(tmp_path)
     expected = generate(loaded, b"hello", max_new_bytes=12, temperature=0.7, top_k=20, seed=1)
     assert proc.stdout == "hello" + expected.decode("utf-8", errors="replace") + "\n"
+
+
+def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
+    """No export step needed: a run folder, its checkpoint folder and a step folder load the newest
+    (or that) checkpoint's weights, and sample what the run's own fp32 export samples."""
+    from tests.utils import check_ok, run_train
+
+    run = tmp_path / "run"
+    check_ok(
+        run_train(
+            [
+                "--job.config_file",
+                "train_configs/debug_model.toml",
+                "--training.dataset",
+                "mock",
+                "--training.steps",
+                "4",
+                "--training.seq_len",
+                "64",
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.export_at_end",
+                "true",
+                "--validation.enable",
+                "false",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--job.dump_folder",
+                str(run),
+            ]  # fmt: skip
+        )
+    )
+    exported, _ = load_model(run / "export")
+    want = generate(exported, b"ab", max_new_bytes=16, temperature=0.9, seed=3)
+    for folder in (run, run / "checkpoint", run / "checkpoint" / "step-4"):
+        model, config = load_model(folder)
+        assert config["step"] == 4 and config["model"]["name"] == "spider"
+        assert generate(model, b"ab", max_new_bytes=16, temperature=0.9, seed=3) == want
+    older, config = load_model(run / "checkpoint" / "step-2")
+    assert config["step"] == 2
+    ids = torch.tensor([[257, *b"abcdef"]])
+    assert not torch.equal(older(ids).logits, exported(ids).logits)  # step 2 really is another model
