@@ -4,11 +4,15 @@
 
 1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
 2. ``boundary_predictor`` + forced boundaries -> segments, by one rule in training and eval
-   (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead)
-3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on
-   ``(B, S, dim)`` with a segment mask; Engram bucket ids hashed from the bytes (engram.py)
-4. ``up_proj`` on the core output, causal ``upsample`` (byte t reads the segment that ended
-   before its own), added to the prelude residual
+   (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead,
+   ``"space"`` after words, SpaceByte's rule)
+3. ``downsample`` (segment means; with ``chunk_convention = "first"`` a chunk's first byte) -> ``core``
+   (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on ``(B, S, dim)`` with a segment mask;
+   Engram bucket ids hashed from the bytes (engram.py; under ``first`` chunk k gets chunk k - 1's)
+4. ``up_proj`` on the core output, optionally smoothed over segments (``dechunk_smoothing``), causal
+   ``upsample`` (byte t reads the segment that ended before its own; under ``first`` its own chunk),
+   times H-Net's confidence factor (``boundary_confidence``, value 1), added to the prelude residual
+   (through the zero-initialised ``residual_proj`` with ``stage_init``)
 5. ``coda`` (dense byte blocks) -> ``norm`` -> ``lm_head`` -> logits (B, T, 272)
 
 Losses: ``loss = lm_loss + aux_loss`` with ``aux_loss = moe_aux_coeff * moe_aux_loss +
@@ -40,6 +44,9 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
 * zero: LoRA B matrices, ``loop_embedding``, Engram tables (docs/model.md); LoRA A N(0, 1/in_features);
   ``decay_lambda`` 0 (a = 1/2); cosine boundary projections: identity (H-Net); boundary
   threshold: Phi^-1(1 - 1/target).
+* ``stage_init`` (H-Net's per-stage init): the byte blocks' residual outputs use depth
+  n_prelude + n_coda instead (the core keeps the whole depth), ``residual_proj`` is zero and
+  ``up_proj`` the identity.
 """
 
 from __future__ import annotations
