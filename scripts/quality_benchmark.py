@@ -76,6 +76,58 @@ RUNS = [
         ),
         "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT",
     ),
+    # H-Net's chunking path (issue 21), each element alone, then all together
+    Run(
+        "spider_hnet_confidence",
+        SPIDER_CONFIG,
+        ("--model.boundary_confidence", "true"),
+        "H-Net confidence-weighted STE (LM gradient to the router)",
+    ),
+    Run(
+        "spider_hnet_smoothing",
+        SPIDER_CONFIG,
+        ("--model.dechunk_smoothing", "true"),
+        "H-Net EMA smoothing in the dechunk",
+    ),
+    Run(
+        "spider_hnet_first",
+        SPIDER_CONFIG,
+        ("--model.chunk_convention", "first"),
+        "H-Net chunk convention: first byte, own-chunk upsample",
+    ),
+    Run("spider_hnet_ratio003", SPIDER_CONFIG, ("--model.boundary_coeff", "0.03"), "H-Net ratio-loss weight 0.03"),
+    Run("spider_hnet_stage_init", SPIDER_CONFIG, ("--model.stage_init", "true"), "H-Net stage-aware init"),
+    Run(
+        "spider_hnet_stage_lr",
+        SPIDER_CONFIG,
+        ("--optimizer.lr_multipliers", '["*=2", "core=1"]'),
+        "H-Net per-stage learning rates: byte stages 2x",
+    ),
+    Run(
+        "spider_hnet_all",
+        SPIDER_CONFIG,
+        (
+            "--model.boundary_confidence",
+            "true",
+            "--model.dechunk_smoothing",
+            "true",
+            "--model.chunk_convention",
+            "first",
+            "--model.boundary_coeff",
+            "0.03",
+            "--model.stage_init",
+            "true",
+            "--optimizer.lr_multipliers",
+            '["*=2", "core=1"]',
+        ),
+        "H-Net's whole chunking path",
+    ),
+    Run(
+        "spider_space_segments",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "space"),
+        "SpaceByte rule: a segment ends after each word",
+    ),
 ]
 
 

@@ -168,6 +168,10 @@ class Optimizer:
     specials, LoRA-free scalars)."""
     muon_lr: float = ranged(0.02, low=0, low_open=True)
     """Muon learning rate for hidden matrices (only with ``name = "Muon"``)."""
+    lr_multipliers: list[str] = field(default_factory=list)
+    """Per-module learning rates, entries ``PREFIX=FACTOR``: parameters whose FQN is PREFIX or starts
+    with ``PREFIX.`` train at FACTOR x lr (and x muon_lr); the longest prefix wins, ``*`` takes the
+    rest. H-Net's per-stage rates, outer byte stages higher: ``["*=2", "core=1"]`` for Spider."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig, Range
 from spider_titan.config.parse import sections, show, table_keys
+from spider_titan.optim.optimizers import parse_lr_multipliers, unmatched_prefixes
 from spider_titan.parallel.mesh import ParallelDims, experts_split_problem, fsdp_problems, use_fsdp
 
 # Config keys whose value names registered components (a list names several), with their
@@ -97,6 +98,16 @@ def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     return problems
 
 
+def optimizer_problems(cfg: JobConfig, model_args: Any) -> list[str]:
+    """``optimizer.lr_multipliers`` entries are PREFIX=FACTOR and every prefix names parameters of
+    the model (built on the meta device, only when there are entries)."""
+    rules, problems = parse_lr_multipliers(cfg.optimizer.lr_multipliers)
+    if rules and not problems and model_args is not None:
+        model = registry.get("model", cfg.model.name).build_on_meta(model_args)
+        problems = unmatched_prefixes(rules, [n for n, _ in model.named_parameters()])
+    return problems
+
+
 def activation_checkpoint_problems(cfg: JobConfig) -> list[str]:
     ac = cfg.activation_checkpoint
     option = ac.selective_ac_option
@@ -138,9 +149,10 @@ def float8_problems(cfg: JobConfig, world_size: int) -> list[str]:
 def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     """Every rule above; returns every problem found (``env`` gives WORLD_SIZE)."""
     world_size = int(env.get("WORLD_SIZE", "1"))
-    model_args, problems = model_args_and_problems(cfg)
-    problems = registry_problems(cfg) + problems + range_problems(cfg)
+    model_args, model_problems = model_args_and_problems(cfg)
+    problems = registry_problems(cfg) + model_problems + range_problems(cfg)
     problems += training_problems(cfg, model_args)
+    problems += optimizer_problems(cfg, None if model_problems else model_args)
     problems += activation_checkpoint_problems(cfg)
     problems += parallelism_problems(cfg, model_args, world_size)
     problems += float8_problems(cfg, world_size)

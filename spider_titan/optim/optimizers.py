@@ -2,6 +2,14 @@
 
 Weight decay goes to matrices only: norms, biases, the LTI decay and other vectors are not decayed,
 and neither are embedding tables (decaying rarely used byte rows only shrinks them).
+
+Per-module learning rates (``optimizer.lr_multipliers``, entries ``PREFIX=FACTOR``): a parameter
+whose FQN is PREFIX or starts with ``PREFIX.`` trains at ``FACTOR x lr`` (the longest matching
+prefix wins; ``*`` matches every parameter no other entry does). This is H-Net's per-stage
+learning rate (goombalab/hnet ``utils/train.py``: outer, byte-level stages higher), e.g. for
+Spider ``["*=2", "core=1"]``. Each (decayed?, factor) pair is one parameter group with its own
+``lr``; the LR scheduler scales every group's initial lr, and the groups come out in the same
+order for the same model and config, so a checkpoint resumes into the same groups.
 """
 
 from __future__ import annotations
@@ -21,21 +29,83 @@ logger = logging.getLogger("spider_titan")
 _NO_DECAY_NAMES = ("embed_tokens", "loop_embedding", "engram", "lora")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed matrices and everything else."""
-    return _split_decay([(n, p) for n, p in model.named_parameters() if p.requires_grad], weight_decay)
+# Wrapper modules that insert themselves into FQNs (activation checkpointing, torch.compile).
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def _split_decay(named_params, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, p in named_params:
-        if p.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES):
-            decay.append(p)
+def parse_lr_multipliers(entries: list[str]) -> tuple[dict[str, float], list[str]]:
+    """``["PREFIX=FACTOR", ...]`` -> ({prefix: factor}, problems, one line each naming the entry)."""
+    rules, problems = {}, []
+    for entry in entries:
+        prefix, sep, value = entry.partition("=")
+        prefix = prefix.strip()
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = float("nan")
+        if not sep or not prefix or not factor > 0 or factor == float("inf"):
+            problems.append(
+                f"optimizer.lr_multipliers: {entry!r} is not PREFIX=FACTOR with a module FQN prefix (or *) and a "
+                'factor > 0, e.g. "core=1.0" or "*=2.0"'
+            )
+        elif prefix in rules:
+            problems.append(f"optimizer.lr_multipliers: {prefix!r} is given twice; keep one entry")
         else:
-            no_decay.append(p)
+            rules[prefix] = factor
+    return rules, problems
+
+
+def _matches(name: str, prefix: str) -> bool:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def lr_factor(name: str, rules: dict[str, float]) -> float:
+    """The multiplier of parameter ``name``: its longest matching prefix in ``rules``, else ``*``, else 1."""
+    best = max((p for p in rules if p != "*" and _matches(name, p)), key=len, default=None)
+    return rules[best] if best is not None else rules.get("*", 1.0)
+
+
+def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def param_groups(model: nn.Module, weight_decay: float, lr: float, lr_multipliers: list[str] = ()) -> list[dict]:
+    """Decayed matrices and everything else, each split by learning-rate factor (module docstring)."""
+    return _groups(_named_trainable(model), weight_decay, lr, _rules(model, lr_multipliers))
+
+
+def _rules(model: nn.Module, entries: list[str]) -> dict[str, float]:
+    """Parsed ``lr_multipliers``; ValueError (one line) for a bad entry or a prefix that matches no parameter."""
+    rules, problems = parse_lr_multipliers(list(entries))
+    if problems:
+        raise ValueError(problems[0])
+    unmatched = unmatched_prefixes(rules, [n for n, _ in _named_trainable(model)])
+    if unmatched:
+        raise ValueError(unmatched[0])
+    return rules
+
+
+def unmatched_prefixes(rules: dict[str, float], names: list[str]) -> list[str]:
+    """One problem line per prefix of ``rules`` that matches none of the parameter ``names``."""
+    top = sorted({n.split(".")[0] for n in names})
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        f"optimizer.lr_multipliers: {prefix!r} matches no parameter of the model; its top-level modules are {top}"
+        for prefix in rules
+        if prefix != "*" and not any(_matches(n, prefix) for n in names)
+    ]
+
+
+def _groups(named_params, weight_decay: float, lr: float, rules: dict[str, float]) -> list[dict]:
+    """One group per (decayed?, lr factor); without rules exactly two: decayed, then not decayed."""
+    buckets: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []} if not rules else {}
+    for name, p in named_params:
+        decay = p.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES)
+        buckets.setdefault((decay, lr_factor(name, rules)), []).append(p)
+    return [
+        {"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr": lr * factor}
+        for (decay, factor), ps in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
     ]
 
 
@@ -43,7 +113,11 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer
     # foreach is the fast path for DTensor (FSDP2) parameters on both CPU and GPU; fused has no
     # CPU DTensor kernel.
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
+        param_groups(model, cfg.weight_decay, cfg.lr, cfg.lr_multipliers),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=True,
     )
 
 
@@ -56,17 +130,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig):
-        muon_params, adam_named = [], []
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
+        rules = _rules(model, cfg.lr_multipliers)
+        muon_named, adam_named = [], []
+        for name, p in _named_trainable(model):
             if p.ndim == 2 and not any(n in name for n in _NO_DECAY_NAMES + ("lm_head",)):
-                muon_params.append(p)
+                muon_named.append((name, p))
             else:
                 adam_named.append((name, p))
-        self.muon = torch.optim.Muon(muon_params, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+        muon_factors: dict[float, list] = {}
+        for name, p in muon_named:
+            muon_factors.setdefault(lr_factor(name, rules), []).append(p)
+        muon_groups = [{"params": ps, "lr": cfg.muon_lr * f} for f, ps in sorted(muon_factors.items())]
+        self.muon = torch.optim.Muon(muon_groups, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
         self.adamw = torch.optim.AdamW(
-            _split_decay(adam_named, cfg.weight_decay),
+            _groups(adam_named, cfg.weight_decay, cfg.lr, rules),
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
@@ -79,7 +156,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
-        logger.info("Muon on %d matrices, AdamW on %d tensors", len(muon_params), len(adam_named))
+        logger.info("Muon on %d matrices, AdamW on %d tensors", len(muon_named), len(adam_named))
 
     def step(self, closure=None):
         self.muon.step()

@@ -19,6 +19,7 @@ from spider_titan.models.spider.segmentation import downsample, segment_bytes, u
 from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 DEBUG = SPIDER_FLAVORS["debug"]
+_pad = torch.nn.functional.pad
 
 
 def build(seed: int = 0, **overrides) -> Spider:
@@ -83,6 +84,16 @@ def causality_gaps(model: Spider, ids: torch.Tensor, *, train: bool, seed: int, 
     return out
 
 
+def randomize_engram_tables(model: Spider) -> None:
+    """Engram tables start at zero (adding nothing); random ones make a leak through its hashes visible."""
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for block in model.core.layers:
+            if block.engram is not None:
+                for table in (block.engram.table1, block.engram.table2):
+                    table.weight.copy_(torch.randn(table.weight.shape, generator=g))
+
+
 # Every boundary configuration (predictor x training noise x objective; the objective changes the
 # loss, not the forward, but each one is a configuration a user can train) plus two forced
 # predictors that make the segmentation ragged / extreme.
@@ -105,14 +116,28 @@ BOUNDARY_CONFIGS = {
         "halting": "act",
     },
     "fixed": {"boundary_predictor": "fixed"},
+    # H-Net's path (chunk = first byte, each byte reads its own chunk), alone and with every element
+    "first": {"chunk_convention": "first"},
+    "first_hnet_all": {
+        "chunk_convention": "first",
+        "boundary_confidence": True,
+        "dechunk_smoothing": True,
+        "stage_init": True,
+    },
+    "mean_hnet_all": {"boundary_confidence": True, "dechunk_smoothing": True, "stage_init": True},
+    "first_fixed": {"boundary_predictor": "fixed", "chunk_convention": "first"},
+    "space": {"boundary_predictor": "space"},
+    "space_first": {"boundary_predictor": "space", "chunk_convention": "first"},
 }
 
 
-@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte"])
+@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_causality(monkeypatch, predictor, train):
-    model = build(seed=1, **BOUNDARY_CONFIGS.get(predictor, {}))
-    if predictor == "content":
+    config = {"chunk_convention": "first"} if predictor == "content_first" else BOUNDARY_CONFIGS.get(predictor, {})
+    model = build(seed=1, **config)
+    randomize_engram_tables(model)
+    if predictor in ("content", "content_first"):
         monkeypatch.setattr(model.boundary_predictor, "forward", content_predictor)
     elif predictor == "every_byte":
         monkeypatch.setattr(model.boundary_predictor, "forward", constant_predictor(20.0))
@@ -134,6 +159,29 @@ def test_causality_check_catches_a_missing_shift(monkeypatch):
 
     model = build(seed=1)
     monkeypatch.setattr(spider_model, "upsample", leaky_upsample)
+    gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
+    assert max(before for _, before, _ in gaps) > 1e-3
+
+
+@pytest.mark.parametrize("leak", ["mean_chunk", "last_byte_chunk", "unshifted_engram"])
+def test_causality_check_catches_leaks_of_the_first_byte_convention(monkeypatch, leak):
+    """Under ``chunk_convention = "first"`` a byte reads its own chunk, so the chunk's vector may read
+    nothing past the chunk's first byte: the check flags a chunk made of the segment mean, of its
+    last byte, or an Engram that hashes the chunk's own bytes."""
+    model = build(seed=1, chunk_convention="first")
+    monkeypatch.setattr(model.boundary_predictor, "forward", content_predictor)
+    if leak == "mean_chunk":
+        monkeypatch.setattr(spider_model, "downsample_first", spider_model.downsample)
+    elif leak == "last_byte_chunk":
+        monkeypatch.setattr(
+            spider_model,
+            "downsample_first",
+            lambda x, seg: x.gather(1, seg.ends[..., None].expand(-1, -1, x.shape[-1])),
+        )
+    else:
+        randomize_engram_tables(model)
+        own = spider_model.engram_bucket_ids  # shifted back by one chunk: the model's shift then hashes chunk k itself
+        monkeypatch.setattr(spider_model, "engram_bucket_ids", lambda *a: _pad(own(*a)[:, 1:], (0, 0, 0, 1)))
     gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
     assert max(before for _, before, _ in gaps) > 1e-3
 

@@ -123,8 +123,24 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (1, 128, {"boundary_predictor": "mlp", "boundary_standardize": False}, 20.0),
         (1, 192, {"boundary_predictor": "mlp", "boundary_standardize": False}, -20.0),
         (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
+        (
+            2,
+            256,
+            {"chunk_convention": "first", "boundary_confidence": True, "dechunk_smoothing": True, "stage_init": True},
+            None,
+        ),
+        (2, 256, {"boundary_predictor": "space"}, None),
     ],
-    ids=["default", "4_loops", "old_act_gumbel", "every_byte", "forced_only", "fixed_no_lora_no_engram"],
+    ids=[
+        "default",
+        "4_loops",
+        "old_act_gumbel",
+        "every_byte",
+        "forced_only",
+        "fixed_no_lora_no_engram",
+        "hnet",
+        "space",
+    ],
 )
 def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):
     """aux["flops_per_byte"] of a training forward (the step's real segment count and loops) agrees

@@ -76,10 +76,12 @@ class SpiderArgs:
     """Compression the boundary loss aims at (bytes per segment)."""
     max_segment_bytes: int = 16
     """A boundary is forced whenever a segment would grow past this many bytes."""
-    boundary_predictor: Literal["cosine", "mlp", "fixed"] = "cosine"
+    boundary_predictor: Literal["cosine", "mlp", "fixed", "space"] = "cosine"
     """``cosine``: H-Net routing, p_t = (1 - cos(q_t, k_{t-1})) / 2 of projected adjacent prelude
     states; ``mlp``: FlexiTokens' Linear-GELU-Linear logit; ``fixed``: no predictor, a boundary
-    every round(target_bytes_per_segment) bytes (an ablation)."""
+    every round(target_bytes_per_segment) bytes (an ablation); ``space``: no predictor, SpaceByte's
+    rule, a segment ends at a space or punctuation byte that follows a letter, digit or non-ASCII
+    byte (still cut at ``max_segment_bytes``; a baseline)."""
     boundary_loss: Literal["ratio", "hinge"] = "ratio"
     """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
     FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
@@ -96,6 +98,27 @@ class SpiderArgs:
     straight-through segment index (segmentation.py). False: the predictor reads the prelude
     detached and only the boundary loss trains it. Off by default: at debug scale it bought no
     measurable bpb and made the boundary rate noisier (docs/experiments.md)."""
+    boundary_confidence: bool = False
+    """H-Net's confidence-weighted straight-through estimator: each byte's upsampled core output is
+    multiplied by ``1 + c - c.detach()`` (value 1), c the probability of the boundary choice that
+    decided which segment the byte reads (p where a boundary was chosen, 1 - p where not), so the
+    LM loss trains the predictor; the predictor then reads the prelude undetached (as with
+    ``boundary_ste``) and ``dechunk_smoothing`` passes the LM gradient to it too."""
+    chunk_convention: Literal["mean", "first"] = "mean"
+    """``mean``: a segment is the mean of its bytes and byte t reads the core output of the segment
+    before its own. ``first`` (H-Net): the predictor decides "a chunk starts at t", a chunk is its
+    first byte's prelude state and every byte reads its own chunk's output (the Engram of chunk k
+    then hashes chunk k - 1's bytes, the last complete ones). Both are causal (tests)."""
+    dechunk_smoothing: bool = False
+    """H-Net's dechunk smoothing: before the upsample, the core outputs become an EMA over segments,
+    ``out_k = P_k y_k + (1 - P_k) out_{k-1}``, P_k the probability of the boundary that opened
+    segment k (1 where it was forced); causal, computed in closed form."""
+    stage_init: bool = False
+    """H-Net's stage-aware initialisation: residual outputs of the byte blocks scaled by the byte
+    stages' own depth (``0.02 / sqrt(2 (n_prelude + n_coda))``), the core's by the whole depth; the
+    prelude residual reaches the coda through ``residual_proj``, a zero-initialised dim x dim
+    projection (H-Net's fp32 residual), and ``up_proj`` starts at the identity (H-Net's dechunk
+    has no projection), so at the start the coda reads only the core's output."""
     boundary_temperature: float = 0.5
     """Temperature of the relaxed-Bernoulli (Gumbel-sigmoid) boundary samples (``boundary_noise = "gumbel"``)."""
     segment_bucket: int = 0
@@ -168,7 +191,8 @@ class SpiderArgs:
         if self.target_bytes_per_segment < 1.0:
             out.append(f"target_bytes_per_segment: {self.target_bytes_per_segment} must be >= 1")
         for name, allowed in (
-            ("boundary_predictor", ("cosine", "mlp", "fixed")),
+            ("boundary_predictor", ("cosine", "mlp", "fixed", "space")),
+            ("chunk_convention", ("mean", "first")),
             ("boundary_loss", ("ratio", "hinge")),
             ("boundary_noise", ("none", "gumbel")),
             ("halting", ("none", "act")),

@@ -62,9 +62,14 @@ def spider_flops_breakdown(
         "byte_attention_scores": n_bytes_blocks * attn_scores(T),
         # Without the straight-through path the predictor reads the prelude detached: its backward
         # computes weight gradients only (2x forward instead of 3x in total).
-        "boundary_predictor": {"mlp": mm(d, d) + mm(d, 1), "cosine": 2 * mm(d, d), "fixed": 0.0}[a.boundary_predictor]
-        * (1.0 if a.boundary_ste else 2.0 / 3.0),
+        "boundary_predictor": {"mlp": mm(d, d) + mm(d, 1), "cosine": 2 * mm(d, d), "fixed": 0.0, "space": 0.0}[
+            a.boundary_predictor
+        ]
+        * (1.0 if a.boundary_ste or a.boundary_confidence else 2.0 / 3.0),
         "inject_up_proj": 2 * mm(d, d) / bps,  # once per segment each
+        "residual_proj": mm(d, d) * a.stage_init,
+        # the EMA over segments as one (S x S) @ (S x dim) product per row
+        "dechunk_smoothing": mm(S, d) / bps * a.dechunk_smoothing,
         **{k: v * loops / bps for k, v in per_segment_loop.items()},
         "lm_head": mm(d, VOCAB_SIZE),
     }

@@ -4,11 +4,15 @@
 
 1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
 2. ``boundary_predictor`` + forced boundaries -> segments, by one rule in training and eval
-   (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead)
-3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on
-   ``(B, S, dim)`` with a segment mask; Engram bucket ids hashed from the bytes (engram.py)
-4. ``up_proj`` on the core output, causal ``upsample`` (byte t reads the segment that ended
-   before its own), added to the prelude residual
+   (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead,
+   ``"space"`` after words, SpaceByte's rule)
+3. ``downsample`` (segment means; with ``chunk_convention = "first"`` a chunk's first byte) -> ``core``
+   (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on ``(B, S, dim)`` with a segment mask;
+   Engram bucket ids hashed from the bytes (engram.py; under ``first`` chunk k gets chunk k - 1's)
+4. ``up_proj`` on the core output, optionally smoothed over segments (``dechunk_smoothing``), causal
+   ``upsample`` (byte t reads the segment that ended before its own; under ``first`` its own chunk),
+   times H-Net's confidence factor (``boundary_confidence``, value 1), added to the prelude residual
+   (through the zero-initialised ``residual_proj`` with ``stage_init``)
 5. ``coda`` (dense byte blocks) -> ``norm`` -> ``lm_head`` -> logits (B, T, 272)
 
 Losses: ``loss = lm_loss + aux_loss`` with ``aux_loss = moe_aux_coeff * moe_aux_loss +
@@ -40,6 +44,9 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
 * zero: LoRA B matrices, ``loop_embedding``, Engram tables (docs/model.md); LoRA A N(0, 1/in_features);
   ``decay_lambda`` 0 (a = 1/2); cosine boundary projections: identity (H-Net); boundary
   threshold: Phi^-1(1 - 1/target).
+* ``stage_init`` (H-Net's per-stage init): the byte blocks' residual outputs use depth
+  n_prelude + n_coda instead (the core keeps the whole depth), ``residual_proj`` is zero and
+  ``up_proj`` the identity.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.common import PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
@@ -57,10 +65,15 @@ from spider_titan.models.spider.flops import spider_flops_per_byte
 from spider_titan.models.spider.recurrence import RecurrentCore
 from spider_titan.models.spider.segmentation import (
     BoundaryPredictor,
+    boundary_confidence,
     boundary_loss,
     downsample,
+    downsample_first,
     segment_bytes,
+    smooth_segments,
+    space_boundary_logits,
     upsample,
+    upsample_own,
 )
 from spider_titan.protocol import FLOPS_PER_BYTE, ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
@@ -110,11 +123,13 @@ class Spider(nn.Module):
         self.prelude = ByteStack(args, args.n_prelude)
         self.boundary_predictor = (
             None
-            if args.boundary_predictor == "fixed"
+            if args.boundary_predictor in ("fixed", "space")
             else BoundaryPredictor(args.dim, args.boundary_predictor, standardize=args.boundary_standardize)
         )
         self.core = RecurrentCore(args)
         self.up_proj = nn.Linear(args.dim, args.dim, bias=False)
+        # stage_init: the prelude residual reaches the coda through a zero-initialised projection (H-Net)
+        self.residual_proj = nn.Linear(args.dim, args.dim, bias=False) if args.stage_init else None
         self.coda = ByteStack(args, args.n_coda)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, VOCAB_SIZE, bias=False)
@@ -124,13 +139,18 @@ class Spider(nn.Module):
         a = self.args
         init_std = default_init_std(a.dim)
         out_std = depth_scaled_std(a.n_prelude + a.n_core * a.n_loops + a.n_coda)
+        byte_std = depth_scaled_std(a.n_prelude + a.n_coda) if a.stage_init else out_std
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
         for block in list(self.prelude.layers) + list(self.coda.layers):
-            block.init_weights(init_std, out_std)
+            block.init_weights(init_std, byte_std)
         if self.boundary_predictor is not None:
             self.boundary_predictor.init_weights(init_std, a.target_bytes_per_segment)
         self.core.init_weights(init_std, out_std)
-        nn.init.trunc_normal_(self.up_proj.weight, std=out_std)
+        if self.residual_proj is None:
+            nn.init.trunc_normal_(self.up_proj.weight, std=out_std)
+        else:
+            nn.init.eye_(self.up_proj.weight)
+            nn.init.zeros_(self.residual_proj.weight)
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.lm_head.weight, std=a.dim**-0.5)
 
@@ -155,11 +175,16 @@ class Spider(nn.Module):
         freqs = rope_frequencies(a.qk_rope_head_dim, T, a.rope_theta, device=device)  # (T, rope/2, 2)
 
         x = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
-        if self.boundary_predictor is None:  # fixed-size segments: only the (shortened) length cap cuts
+        first = a.chunk_convention == "first"
+        router_grad = a.boundary_ste or a.boundary_confidence  # the LM loss trains the predictor
+        if a.boundary_predictor == "fixed":  # fixed-size segments: only the (shortened) length cap cuts
             logits = x.new_full((B, T), -30.0, dtype=torch.float32)
             cap = max(1, min(a.max_segment_bytes, round(a.target_bytes_per_segment)))
+        elif a.boundary_predictor == "space":
+            logits = space_boundary_logits(input_ids, chunk_start=first)
+            cap = a.max_segment_bytes
         else:
-            logits = self.boundary_predictor(x if a.boundary_ste else x.detach())
+            logits = self.boundary_predictor(x if router_grad else x.detach())
             cap = a.max_segment_bytes
         seg = segment_bytes(
             logits,
@@ -171,18 +196,28 @@ class Spider(nn.Module):
             noise=a.boundary_noise,
             ste=a.boundary_ste,
             bucket=a.segment_bucket,
+            chunk_start=first,
         )
         S = seg.num_segments
+        bucket_ids = engram_bucket_ids(input_ids, seg, a.engram_buckets, a.max_segment_bytes)
+        if first:  # chunk k may read bytes up to its start only: hash chunk k - 1, the last complete one
+            bucket_ids = F.pad(bucket_ids[:, :-1], (0, 0, 1, 0))
         core = self.core(
-            downsample(x, seg),  # (B, S, dim)
+            downsample_first(x, seg) if first else downsample(x, seg),  # (B, S, dim)
             n_loops=n_loops,
             freqs=freqs[:S],
-            bucket_ids=engram_bucket_ids(input_ids, seg, a.engram_buckets, a.max_segment_bytes),
+            bucket_ids=bucket_ids,
             seg_real=seg.seg_real,
             seg_valid=seg.seg_valid,
             early_exit=not self.training,
         )
-        x = x + upsample(self.up_proj(core.output), seg)  # (B, T, dim)
+        y = self.up_proj(core.output)  # (B, S, dim)
+        if a.dechunk_smoothing:
+            y = smooth_segments(y, seg, detach=not router_grad)
+        y = upsample_own(y, seg) if first else upsample(y, seg)  # (B, T, dim)
+        if a.boundary_confidence:
+            y = y * boundary_confidence(seg).unsqueeze(-1).to(y.dtype)
+        x = (x if self.residual_proj is None else self.residual_proj(x)) + y
         logits = self.lm_head(self.norm(self.coda(x, freqs)))  # (B, T, VOCAB_SIZE)
 
         if self.boundary_predictor is None:

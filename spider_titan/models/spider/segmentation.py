@@ -44,6 +44,12 @@ Conventions
   of segment ``seg_id[t] - 1`` (the last segment that ended strictly before t's segment; zero for
   the first segment) by a gather. On CUDA scatter-add uses atomics, so the last bits of the
   pooled sums may vary from run to run unless ``torch.use_deterministic_algorithms`` is on.
+* H-Net's path (options, ``SpiderArgs``): ``chunk_convention = "first"`` reads the logits as "a chunk
+  starts at t" (shifted into the end convention above by ``segment_bytes``), represents a chunk by its
+  first byte's state (:func:`downsample_first`) and hands every byte its own chunk's output
+  (:func:`upsample_own`): causal because the chunk's vector reads nothing past its first byte.
+  :func:`smooth_segments` is H-Net's dechunk EMA; :func:`boundary_confidence` its confidence-weighted
+  straight-through factor; :func:`space_boundary_logits` SpaceByte's rule (a baseline).
 * S, the largest segment count in the batch, is read back to the host once per forward (the one
   host sync: dynamic chunking needs it to size the core's tensors); rows with fewer segments are
   padded, and ``seg_valid``/``seg_real`` mark which segments exist / hold real bytes.
@@ -158,8 +164,10 @@ class Segmentation:
     seg_id:        (B, T) int64, segment holding byte t
     pos_in_seg:    (B, T) int64, 0-based position of byte t inside its segment
     ste:           (B, T) fp32, value 0; carries the straight-through gradient of the soft segment index
-    probs:         (B, T) fp32, predictor probabilities p_t (no noise)
+    probs:         (B, T) fp32, predictor probabilities p_t (no noise) that a segment ends at t
+    soft:          (B, T) fp32, the value the rule thresholded at t (p, or the Gumbel-relaxed sample)
     decided:       (B, T) bool, positions whose boundary the predictor chose (not forced by specials)
+    free:          (B, T) bool, decided and not cut by the length cap: where the rule's choice stands
     real_bytes:    (B, T) bool, the byte is not PAD
     ends:          (B, S) int64, last byte of each segment (arbitrary for missing segments)
     seg_valid:     (B, S) bool, the segment exists in that row
@@ -173,7 +181,9 @@ class Segmentation:
     pos_in_seg: torch.Tensor
     ste: torch.Tensor
     probs: torch.Tensor
+    soft: torch.Tensor
     decided: torch.Tensor
+    free: torch.Tensor
     real_bytes: torch.Tensor
     ends: torch.Tensor
     seg_valid: torch.Tensor
@@ -233,6 +243,7 @@ def segment_bytes(
     noise: str = "none",
     ste: bool = True,
     bucket: int = 1,
+    chunk_start: bool = False,
 ) -> Segmentation:
     """Boundaries from predictor ``logits (B, T)`` and the bytes, with forced boundaries and STE.
 
@@ -242,9 +253,16 @@ def segment_bytes(
     instead; its noise comes from ``keyed_uniform(noise_keys)`` when keys are given (one per
     row), else from torch's global RNG. ``bucket > 1`` rounds S up to a multiple of it (at most
     T); the extra segments are padding (module docstring).
+
+    ``chunk_start`` (``chunk_convention = "first"``, H-Net): ``logits[t]`` decides "a chunk starts
+    at t", i.e. "a segment ends at t - 1"; they are shifted by one byte into the end convention that
+    the rest of this function (and every field of the result) uses. The decision at t - 1 then
+    depends on byte t, which the first-byte downsample tolerates (module docstring).
     """
     B, T = input_ids.shape
     device = input_ids.device
+    if chunk_start:  # the last byte's end is forced below, so its logit is never read
+        logits = F.pad(logits[:, 1:], (0, 1), value=-30.0)
     probs = torch.sigmoid(logits)
     if training and noise == "gumbel":
         if noise_keys is not None:
@@ -269,7 +287,8 @@ def segment_bytes(
     boundaries = base | capped
 
     decided = ~special & ~is_pad
-    delta = torch.where(decided & ~capped & ste, soft - soft.detach(), torch.zeros_like(soft))
+    free = decided & ~capped
+    delta = torch.where(free & ste, soft - soft.detach(), torch.zeros_like(soft))
     ste = _exclusive_cumsum(delta)
 
     seg_id = _exclusive_cumsum(boundaries.long())
@@ -287,7 +306,9 @@ def segment_bytes(
         pos_in_seg=pos_in_seg,
         ste=ste,
         probs=probs,
+        soft=soft,
         decided=decided,
+        free=free,
         real_bytes=~is_pad,
         ends=ends,
         seg_valid=seg_valid,
@@ -323,6 +344,99 @@ def upsample(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
     src = (seg.seg_id - 1).clamp(min=0).unsqueeze(-1).expand(B, T, D)
     scale = torch.where(seg.seg_id > 0, 1.0 + seg.ste, torch.zeros_like(seg.ste))  # (B, T)
     return y.gather(1, src) * scale.unsqueeze(-1).to(y.dtype)
+
+
+def segment_starts(seg: Segmentation) -> torch.Tensor:
+    """(B, S) int64: first byte of each segment (the byte after the previous segment's end; 0 for
+    the first; clamped into the row for missing segments, whose value nobody reads)."""
+    T = seg.seg_id.shape[1]
+    return F.pad(seg.ends[:, :-1] + 1, (1, 0), value=0).clamp(max=T - 1)
+
+
+def downsample_first(x: torch.Tensor, seg: Segmentation) -> torch.Tensor:
+    """x (B, T, dim) -> s (B, S, dim): each segment is its FIRST byte's state (H-Net's chunk layer,
+    ``chunk_convention = "first"``), scaled by ``1 + ste`` there (value 1). The segment's vector
+    then reads only bytes up to its start, so :func:`upsample_own` may hand it to its own bytes."""
+    B, T, D = x.shape
+    starts = segment_starts(seg)  # (B, S)
+    w = (1.0 + seg.ste).gather(1, starts)  # (B, S)
+    return x.gather(1, starts.unsqueeze(-1).expand(B, starts.shape[1], D)) * w.unsqueeze(-1).to(x.dtype)
+
+
+def upsample_own(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
+    """y (B, S, dim) -> (B, T, dim): byte t gets y of its OWN segment ``seg_id[t]`` (H-Net's dechunk,
+    ``chunk_convention = "first"``), scaled by ``1 + ste`` (value 1). Causal only together with
+    :func:`downsample_first` (a segment's vector from bytes up to its first)."""
+    B, T = seg.seg_id.shape
+    out = y.gather(1, seg.seg_id.unsqueeze(-1).expand(B, T, y.shape[-1]))
+    return out * (1.0 + seg.ste).unsqueeze(-1).to(y.dtype)
+
+
+def segment_start_probs(seg: Segmentation) -> torch.Tensor:
+    """(B, S) fp32: the probability of the boundary that opened each segment, ``soft`` at the
+    previous segment's end where the predictor chose it, 1 where the boundary was forced (the first
+    segment, BOS/EOS, PAD, the length cap). Carries the predictor's gradient."""
+    prev_end = F.pad(seg.ends[:, :-1], (1, 0), value=0)  # (B, S); segment 0 is masked below
+    first = torch.zeros_like(seg.ends, dtype=torch.bool)
+    first[:, 0] = True
+    free = seg.free.gather(1, prev_end) & ~first
+    return torch.where(free, seg.soft.gather(1, prev_end), torch.ones_like(seg.soft[:, :1]))
+
+
+def smooth_segments(y: torch.Tensor, seg: Segmentation, *, detach: bool) -> torch.Tensor:
+    """H-Net's dechunk smoothing (``dechunk_smoothing``): an EMA over the segments' outputs,
+    ``out_k = P_k y_k + (1 - P_k) out_{k-1}`` (``out_{-1} = 0``), with ``P_k`` the probability of the
+    boundary that opened segment k (:func:`segment_start_probs`), clamped to [1e-4, 1 - 1e-4] as
+    in H-Net. A confident boundary passes its segment through, a doubtful one blends in the past.
+
+    ``out_k`` depends on ``y_0..y_k`` only, so either upsample stays causal. Computed in closed form
+    (``out_k = sum_{j<=k} P_j exp(L_k - L_j) y_j``, ``L`` the cumulative ``log(1 - P)``) as one
+    (B, S, S) x (B, S, dim) product in fp32: no loop over segments. ``detach``: the predictor gets no
+    gradient through P (when the LM loss is not meant to train it).
+    """
+    P = segment_start_probs(seg).float().clamp(1e-4, 1.0 - 1e-4)
+    if detach:
+        P = P.detach()
+    L = torch.cumsum(torch.log1p(-P), dim=1)  # (B, S)
+    S = P.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=P.device).tril()
+    expo = torch.where(causal, L.unsqueeze(2) - L.unsqueeze(1), float("-inf"))  # (B, S_k, S_j)
+    weights = torch.exp(expo) * P.unsqueeze(1)
+    return torch.bmm(weights, y.float()).to(y.dtype)
+
+
+def boundary_confidence(seg: Segmentation) -> torch.Tensor:
+    """(B, T) fp32, value exactly 1: H-Net's confidence-weighted straight-through factor
+    (``boundary_confidence``). Byte t's upsampled core output is multiplied by
+    ``1 + c - c.detach()`` with ``c = p`` if a boundary was chosen at t - 1 (t opens a segment) and
+    ``1 - p`` if not, so the LM loss pushes the predictor towards the choice that helped it. The
+    choice at t - 1 is the one that decided which segment byte t reads in either convention. Forced
+    boundaries (and byte 0) carry no gradient.
+    """
+    c = torch.where(seg.boundaries, seg.soft, 1.0 - seg.soft)
+    c = torch.where(seg.free, c - c.detach(), torch.zeros_like(c))
+    return 1.0 + F.pad(c[:, :-1], (1, 0), value=0.0)
+
+
+def _spacelike(input_ids: torch.Tensor) -> torch.Tensor:
+    """SpaceByte's spacelike bytes: not an ASCII letter or digit, not a UTF-8 continuation byte,
+    not a special id (BOS/EOS/PAD are cut by their own rules)."""
+    b = input_ids
+    alnum = ((b >= 48) & (b <= 57)) | ((b >= 65) & (b <= 90)) | ((b >= 97) & (b <= 122))
+    continuation = (b >= 0x80) & (b <= 0xBF)
+    return (b < 256) & ~alnum & ~continuation
+
+
+def space_boundary_logits(input_ids: torch.Tensor, *, chunk_start: bool) -> torch.Tensor:
+    """(B, T) fp32 +-30 logits of the SpaceByte rule (``boundary_predictor = "space"``): a segment
+    ends at a spacelike byte that follows a non-spacelike one (the end of a word and its first
+    space or punctuation). With ``chunk_start`` the same cuts are given as chunk starts (t starts a
+    chunk when t - 1 ends a segment), the input :func:`segment_bytes` expects then."""
+    space = _spacelike(input_ids)
+    ends = space & ~F.pad(space[:, :-1], (1, 0), value=True)
+    if chunk_start:
+        ends = F.pad(ends[:, :-1], (1, 0), value=False)
+    return torch.where(ends, 30.0, -30.0).float()
 
 
 def boundary_loss(seg: Segmentation, target_bytes_per_segment: float, kind: str = "ratio") -> torch.Tensor:
