@@ -84,7 +84,8 @@ class ModelSpec:
                       trainer normalises it over all micro-batches and ranks); next-byte
                       cross-entropy unless a model says otherwise
     train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
-                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise)
+                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise),
+                      ``"step"`` (host int, the optimizer step: keys per-step randomness, the same on every rank)
     eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
                       calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
                       ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar

@@ -67,6 +67,16 @@ class SpiderArgs:
     output is the last loop's state (fixed depth; ``mean_loops`` = loops run). ``act``: Graves'
     adaptive halting (halting-weighted sum of the loop states, ponder loss, early exit at eval).
     ``act`` collapsed to ~1 loop in training, so ``none`` is the default (docs/experiments.md)."""
+    loop_sampling: Literal["fixed", "poisson_lognormal"] = "fixed"
+    """Core loops per training step. ``fixed``: ``n_loops`` every step. ``poisson_lognormal``
+    (Geiping et al. 2025): ``1 + Poisson(r)``, r log-normal (sigma 1/2) with mean ``n_loops - 1``,
+    so the mean is ``n_loops`` (slightly less after the cap at ``max_loops``); drawn on the host
+    from a generator keyed by the optimizer step, so every rank and micro-batch of a step runs the
+    same count without a collective (recurrence.sample_loops). Eval runs ``n_loops`` unless asked."""
+    backprop_loops: int = 0
+    """Truncated backprop: in training only the last ``backprop_loops`` loops keep a graph; the
+    earlier ones run under no_grad and hand on a detached state (Geiping et al.: k = 8 of 32).
+    0: every loop (full backprop)."""
     loop_lora: bool = True
     """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their
     weights exactly; an ablation)."""
@@ -172,6 +182,7 @@ class SpiderArgs:
             ("boundary_loss", ("ratio", "hinge")),
             ("boundary_noise", ("none", "gumbel")),
             ("halting", ("none", "act")),
+            ("loop_sampling", ("fixed", "poisson_lognormal")),
         ):
             if getattr(self, name) not in allowed:
                 out.append(f"{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
@@ -179,6 +190,13 @@ class SpiderArgs:
             out.append(
                 f"target_bytes_per_segment: {self.target_bytes_per_segment} must be > 1 for boundary_loss = 'ratio' "
                 "(its N/(N-1) factor); use 'hinge' or a larger target"
+            )
+        if self.backprop_loops < 0:
+            out.append(f"backprop_loops: {self.backprop_loops} must be >= 0 (0: backprop through every loop)")
+        if self.halting == "act" and (self.loop_sampling != "fixed" or self.backprop_loops):
+            out.append(
+                "halting: 'act' takes loop_sampling = 'fixed' and backprop_loops = 0 (sampled or truncated "
+                "loops train the fixed-depth core); set halting = 'none' or drop those options"
             )
         if self.segment_bucket < 0:
             out.append(f"segment_bucket: {self.segment_bucket} must be >= 0 (0 or 1: no bucketing)")

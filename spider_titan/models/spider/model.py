@@ -21,7 +21,8 @@ segment has halted).
 
 ``aux["flops_per_byte"]``: training FLOPs (fwd + bwd) per input byte of this very forward, from
 the batch's largest segment count (short rows' padding included, ``segment_bucket`` padding not:
-the bucket leaves every reported figure unchanged) and ``loops_run``
+the bucket leaves every reported figure unchanged), ``loops_run`` (forward) and the loops with a
+graph (backward; fewer under truncated backprop, ``backprop_loops``)
 (``spider_flops_per_byte``, causal attention counted halved like the dense baseline); a
 detached scalar made from host ints, so it costs no extra sync.
 
@@ -54,7 +55,7 @@ from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.models.spider.flops import spider_flops_per_byte
-from spider_titan.models.spider.recurrence import RecurrentCore
+from spider_titan.models.spider.recurrence import RecurrentCore, sample_loops
 from spider_titan.models.spider.segmentation import (
     BoundaryPredictor,
     boundary_loss,
@@ -140,14 +141,20 @@ class Spider(nn.Module):
         labels: torch.Tensor | None = None,
         n_loops: int | None = None,
         sample_ids: torch.Tensor | None = None,
+        step: int | None = None,
     ) -> SpiderOutput:
         """``sample_ids`` (B,) int64, optional: keys for the boundary noise in training, one per row
         (the trainer passes each sample's global index), so that a sample is segmented the same
-        way whichever rank or micro-batch it lands in; without them the noise is torch's RNG."""
+        way whichever rank or micro-batch it lands in; without them the noise is torch's RNG.
+        ``step`` (host int, optional): the optimizer step, which keys the training loop count under
+        ``loop_sampling = "poisson_lognormal"`` (the same on every rank and micro-batch of the
+        step); without it, or with ``n_loops`` given, training runs ``n_loops`` (default: the mean)."""
         a = self.args
         B, T = input_ids.shape
         if T > a.max_seq_len:
             raise ValueError(f"sequence length {T} > max_seq_len {a.max_seq_len}; raise model.max_seq_len")
+        if n_loops is None and self.training and step is not None and a.loop_sampling == "poisson_lognormal":
+            n_loops = sample_loops(a, step)
         n_loops = a.n_loops if n_loops is None else int(n_loops)
         if not 1 <= n_loops <= a.max_loops:
             raise ValueError(f"n_loops: {n_loops} must be in [1, max_loops={a.max_loops}]")
@@ -181,6 +188,7 @@ class Spider(nn.Module):
             seg_real=seg.seg_real,
             seg_valid=seg.seg_valid,
             early_exit=not self.training,
+            backprop_loops=a.backprop_loops if self.training else 0,
         )
         x = x + upsample(self.up_proj(core.output), seg)  # (B, T, dim)
         logits = self.lm_head(self.norm(self.coda(x, freqs)))  # (B, T, VOCAB_SIZE)
@@ -205,7 +213,13 @@ class Spider(nn.Module):
             # (short rows padded to it), without the bucket's padding (overhead, not model FLOPs).
             FLOPS_PER_BYTE: torch.full(
                 (),
-                spider_flops_per_byte(a, T, n_loops=core.loops_run, bytes_per_segment=T / seg.max_row_segments),
+                spider_flops_per_byte(
+                    a,
+                    T,
+                    n_loops=core.loops_run,
+                    bytes_per_segment=T / seg.max_row_segments,
+                    backprop_loops=core.backprop_loops,
+                ),
                 device=device,
             ),
         }
@@ -256,5 +270,5 @@ SPIDER_SPEC = ModelSpec(
     flops_per_token=spider_flops_per_byte,
     recurrent_containers=("core.layers",),
     eval_variants=spider_eval_variants,
-    train_inputs=("sample_ids",),  # boundary noise keyed by global sample index
+    train_inputs=("sample_ids", "step"),  # boundary noise keyed by global sample index, loop count by step
 )
