@@ -251,9 +251,10 @@ def parameter_breakdown(model: Spider) -> dict[str, int]:
 
 
 def spider_eval_variants(args: SpiderArgs) -> list[tuple[str, dict]]:
-    """Validation passes (``ModelSpec.eval_variants``): the default, then eval loop counts 1, 2, 4
+    """Validation passes (``ModelSpec.eval_variants``): the default (the trained loop count, which
+    the validator runs once with the equal ``_loops<n_loops>`` pass), then eval loop counts 1, 2, 4
     and ``max_loops`` (test-time compute), deduplicated and capped at ``max_loops``."""
-    out, seen = [("", {})], set()
+    out, seen = [("", {"n_loops": args.n_loops})], set()
     for n in (1, 2, 4, args.max_loops):
         if n <= args.max_loops and n not in seen:
             seen.add(n)
