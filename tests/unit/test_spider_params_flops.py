@@ -124,8 +124,20 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (1, 192, {"boundary_predictor": "mlp", "boundary_standardize": False}, -20.0),
         (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
         (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
+        (2, 256, {"byte_dim": 64}, None),
+        (2, 128, {"byte_dim": 48, "byte_mlp": False, "boundary_predictor": "mlp", "boundary_ste": True}, None),
     ],
-    ids=["default", "4_loops", "old_act_gumbel", "every_byte", "forced_only", "fixed_no_lora_no_engram", "truncated"],
+    ids=[
+        "default",
+        "4_loops",
+        "old_act_gumbel",
+        "every_byte",
+        "forced_only",
+        "fixed_no_lora_no_engram",
+        "truncated",
+        "byte_dim",
+        "byte_dim_no_byte_mlp",
+    ],
 )
 def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):
     """aux["flops_per_byte"] of a training forward (the step's real segment count and loops) agrees

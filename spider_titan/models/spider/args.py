@@ -27,6 +27,15 @@ class SpiderArgs:
     v_head_dim: int = 32
     """MLA: per-head value width."""
 
+    byte_dim: int = 0
+    """Width of the byte-level parts (``embed_tokens``, ``prelude``, ``boundary_predictor``, ``coda``,
+    ``norm``, ``lm_head``); 0 means ``dim``. Narrower than ``dim`` (H-Net's narrow outer stages), the
+    core's ``inject`` projects the pooled segments up (byte_dim -> dim) and ``up_proj`` projects the
+    core output down (dim -> byte_dim), so the FLOPs per byte move into the core; at ``dim`` the model
+    is the plain one, tensor for tensor (old checkpoints load)."""
+    byte_mlp: bool = True
+    """SwiGLU MLPs (``inter_dim``) in the byte blocks; false: attention-only byte blocks."""
+
     # ---- depth
     n_prelude: int = 1
     """Dense byte blocks before the boundary predictor (``prelude.layers``)."""
@@ -133,6 +142,11 @@ class SpiderArgs:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
 
+    @property
+    def byte_width(self) -> int:
+        """The byte-level width: ``byte_dim``, or ``dim`` when it is 0."""
+        return self.byte_dim or self.dim
+
     def validate(self) -> list[str]:
         """Every inconsistency among the fields, one line each (empty when the args are usable)."""
         out = []
@@ -191,6 +205,8 @@ class SpiderArgs:
                 f"target_bytes_per_segment: {self.target_bytes_per_segment} must be > 1 for boundary_loss = 'ratio' "
                 "(its N/(N-1) factor); use 'hinge' or a larger target"
             )
+        if self.byte_dim < 0:
+            out.append(f"byte_dim: {self.byte_dim} must be >= 0 (0: the model width dim)")
         if self.backprop_loops < 0:
             out.append(f"backprop_loops: {self.backprop_loops} must be >= 0 (0: backprop through every loop)")
         if self.halting == "act" and (self.loop_sampling != "fixed" or self.backprop_loops):

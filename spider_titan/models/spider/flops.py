@@ -39,17 +39,21 @@ def spider_flops_breakdown(
     T = float(seq_len)
     S = T / bps  # segments per sequence
     d, H = a.dim, a.n_heads
+    db = a.byte_dim or d  # the byte-level width (embeddings, byte blocks, predictor, head)
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
 
     def mm(m: float, n: float) -> float:  # one row through an (m -> n) matmul
         return 2.0 * m * n
 
-    attn_proj = (
-        mm(d, H * qk)
-        + mm(d, a.kv_lora_rank + a.qk_rope_head_dim)
-        + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim))
-        + mm(H * a.v_head_dim, d)
-    )
+    def attn_proj_at(width: float) -> float:  # MLA's projections of one row at model width ``width``
+        return (
+            mm(width, H * qk)
+            + mm(width, a.kv_lora_rank + a.qk_rope_head_dim)
+            + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim))
+            + mm(H * a.v_head_dim, width)
+        )
+
+    attn_proj = attn_proj_at(d)
 
     def attn_scores(context: float) -> float:  # per query, causal-halved: QK^T and PV
         return (mm(qk, context) * H + mm(context, a.v_head_dim) * H) / 2
@@ -67,14 +71,16 @@ def spider_flops_breakdown(
         "act_halting": mm(d, 1) * (a.halting == "act"),
     }
     fwd = {
-        "byte_blocks": n_bytes_blocks * (attn_proj + 3 * mm(d, a.inter_dim)),
+        "byte_blocks": n_bytes_blocks * (attn_proj_at(db) + 3 * mm(db, a.inter_dim) * a.byte_mlp),
         "byte_attention_scores": n_bytes_blocks * attn_scores(T),
         # Without the straight-through path the predictor reads the prelude detached: its backward
         # computes weight gradients only (2x forward instead of 3x in total).
-        "boundary_predictor": {"mlp": mm(d, d) + mm(d, 1), "cosine": 2 * mm(d, d), "fixed": 0.0}[a.boundary_predictor]
+        "boundary_predictor": {"mlp": mm(db, db) + mm(db, 1), "cosine": 2 * mm(db, db), "fixed": 0.0}[
+            a.boundary_predictor
+        ]
         * (1.0 if a.boundary_ste else 2.0 / 3.0),
-        "inject_up_proj": 2 * mm(d, d) / bps,  # once per segment each
-        "lm_head": mm(d, VOCAB_SIZE),
+        "inject_up_proj": 2 * mm(db, d) / bps,  # once per segment each: byte_dim -> dim and back
+        "lm_head": mm(db, VOCAB_SIZE),
     }
     out = {k: 3.0 * v for k, v in fwd.items()}
     # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.

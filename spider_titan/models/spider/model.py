@@ -2,12 +2,13 @@
 
 ``forward(input_ids (B, T), labels (B, T) | None, n_loops | None) -> SpiderOutput``:
 
-1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
+1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position), all
+   byte-level parts at ``byte_dim`` (default ``dim``; narrower puts the FLOPs in the core)
 2. ``boundary_predictor`` + forced boundaries -> segments, by one rule in training and eval
    (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead)
 3. ``downsample`` (segment means) -> ``core`` (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on
    ``(B, S, dim)`` with a segment mask; Engram bucket ids hashed from the bytes (engram.py)
-4. ``up_proj`` on the core output, causal ``upsample`` (byte t reads the segment that ended
+4. ``up_proj`` (dim -> byte_dim) on the core output, causal ``upsample`` (byte t reads the segment that ended
    before its own), added to the prelude residual
 5. ``coda`` (dense byte blocks) -> ``norm`` -> ``lm_head`` -> logits (B, T, 272)
 
@@ -36,7 +37,7 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
 * residual outputs (``wo``, ``w2``, expert ``w2``, Engram ``value_proj``, ``up_proj``) trunc-normal
   ``0.02 / sqrt(2 * depth)`` with depth = n_prelude + n_core * n_loops + n_coda, the number of
   residual blocks a byte's state passes through in training;
-* ``lm_head`` trunc-normal ``dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
+* ``lm_head`` trunc-normal ``byte_dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
   bias (``logit(1/target_bytes_per_segment)``) and the halting bias (recurrence.py);
 * zero: LoRA B matrices, ``loop_embedding``, Engram tables (docs/model.md); LoRA A N(0, 1/in_features);
   ``decay_lambda`` 0 (a = 1/2); cosine boundary projections: identity (H-Net); boundary
@@ -77,20 +78,45 @@ class SpiderOutput(ModelOutput):
     loops), ``flops_per_byte`` (training FLOPs per input byte of this forward's segmentation)."""
 
 
+class AttentionBlock(nn.Module):
+    """A byte block without MLP (``byte_mlp = false``): ``x += attention(attention_norm(x), freqs)``."""
+
+    def __init__(self, attention: nn.Module, dim: int, norm_eps: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.attention_norm(x), freqs)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+
+
 class ByteStack(nn.Module):
-    """A stack of dense byte blocks (``prelude`` / ``coda``): pre-norm MLA + SwiGLU blocks in ``layers``."""
+    """A stack of byte blocks (``prelude`` / ``coda``) at ``byte_dim``: pre-norm MLA + SwiGLU blocks in
+    ``layers`` (MLA only with ``byte_mlp = false``); the MLA head sizes are the core's."""
 
     def __init__(self, args: SpiderArgs, n_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(
-            PreNormBlock(
-                MLA.from_args(args),
-                args.dim,
-                args.inter_dim,
+        width = args.byte_width
+
+        def block() -> nn.Module:
+            attention = MLA(
+                width,
+                args.n_heads,
+                args.kv_lora_rank,
+                args.qk_nope_head_dim,
+                args.qk_rope_head_dim,
+                args.v_head_dim,
                 args.norm_eps,
             )
-            for _ in range(n_layers)
-        )
+            if args.byte_mlp:
+                return PreNormBlock(attention, width, args.inter_dim, args.norm_eps)
+            return AttentionBlock(attention, width, args.norm_eps)
+
+        self.layers = nn.ModuleList(block() for _ in range(n_layers))
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         for block in self.layers:
@@ -107,18 +133,19 @@ class Spider(nn.Module):
         if problems:
             raise ValueError("SpiderArgs: " + "; ".join(problems))
         self.args = args
-        self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
+        width = args.byte_width  # the byte-level parts; the core (with its inject: width -> dim) at dim
+        self.embed_tokens = nn.Embedding(VOCAB_SIZE, width)
         self.prelude = ByteStack(args, args.n_prelude)
         self.boundary_predictor = (
             None
             if args.boundary_predictor == "fixed"
-            else BoundaryPredictor(args.dim, args.boundary_predictor, standardize=args.boundary_standardize)
+            else BoundaryPredictor(width, args.boundary_predictor, standardize=args.boundary_standardize)
         )
         self.core = RecurrentCore(args)
-        self.up_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, width, bias=False)  # the core output down to the byte width
         self.coda = ByteStack(args, args.n_coda)
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, VOCAB_SIZE, bias=False)
+        self.norm = nn.RMSNorm(width, eps=args.norm_eps)
+        self.lm_head = nn.Linear(width, VOCAB_SIZE, bias=False)
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place (see the module docstring for the choices)."""
@@ -133,7 +160,7 @@ class Spider(nn.Module):
         self.core.init_weights(init_std, out_std)
         nn.init.trunc_normal_(self.up_proj.weight, std=out_std)
         self.norm.reset_parameters()
-        nn.init.trunc_normal_(self.lm_head.weight, std=a.dim**-0.5)
+        nn.init.trunc_normal_(self.lm_head.weight, std=a.byte_width**-0.5)
 
     def forward(
         self,

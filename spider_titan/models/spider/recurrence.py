@@ -3,9 +3,9 @@
 References: Geiping et al. 2025 (arXiv 2502.05171, input injection every loop); Bae et al. 2024
 (arXiv 2410.20672, per-loop LoRA in recursive transformers); Graves 2016 (arXiv 1603.08983, ACT).
 
-Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h_0 = 0``:
+Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting from ``h_0 = 0``:
 
-1. LTI injection ``h = a * h + inject(s)`` with ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim,
+1. LTI injection ``h = a * h + inject(s)`` (``inject``: byte_dim -> dim, the projection into the core) with ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim,
    a stable learnable diagonal; ``inject(s)`` is computed once and reused by every loop.
    ``decay_lambda`` starts at 0, i.e. ``a = 1/2``: each loop keeps half of the previous state.
 2. ``h = h + loop_embedding[i]`` (zero-initialised).
@@ -248,7 +248,7 @@ class RecurrentCore(nn.Module):
         super().__init__()
         self.args = args
         self.layers = nn.ModuleList(CoreBlock(args, j) for j in range(args.n_core))
-        self.inject = nn.Linear(args.dim, args.dim, bias=False)
+        self.inject = nn.Linear(args.byte_width, args.dim, bias=False)  # also the byte_dim -> dim projection
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -280,7 +280,7 @@ class RecurrentCore(nn.Module):
         loop_emb = self.loop_embedding.weight
 
         act = HaltingState.start(B, S, s.device)
-        out = s.new_zeros(B, S, s.shape[-1], dtype=torch.float32)
+        out = s.new_zeros(B, S, self.args.dim, dtype=torch.float32)
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
 
