@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from spider_titan.models.common import rope_frequencies
 from spider_titan.models.spider import SPIDER_FLAVORS, spider_flops_per_byte
-from spider_titan.models.spider.recurrence import sample_loops
+from spider_titan.models.spider.recurrence import initial_state, sample_loops
 from tests.unit.test_spider_model import build, sample_ids
 
 
@@ -159,3 +159,25 @@ def test_bad_depth_args_are_reported():
     assert "backprop_loops: -1" in problems and "loop_sampling: 'uniform'" in problems
     act = dataclasses.replace(SPIDER_FLAVORS["debug"], halting="act", backprop_loops=1)
     assert any(p.startswith("halting: 'act'") for p in act.validate())
+
+
+def test_random_initial_state_is_keyed_by_sample():
+    """loop_init_std: h_0 ~ N(0, std^2), a function of the sample key (the same sample in another
+    row or batch starts from the same state), different across samples; training only."""
+    keys = torch.tensor([11, 12, 11])
+    h0 = initial_state(keys, 40, 64, 0.5)
+    assert h0.shape == (3, 40, 64)
+    assert torch.equal(h0[0], h0[2]) and not torch.equal(h0[0], h0[1])
+    assert torch.equal(initial_state(torch.tensor([12]), 40, 64, 0.5)[0], h0[1])
+    assert abs(h0.mean().item()) < 0.02 and abs(h0.std().item() - 0.5) < 0.02
+    assert initial_state(keys, 40, 64, 0.0) is None and initial_state(None, 40, 64, 0.5) is None
+
+    ids = sample_ids(0)
+    noisy, plain = build(loop_init_std=0.5), build()
+    rows = torch.tensor([5, 6])
+    with torch.no_grad():
+        assert torch.equal(noisy.eval()(ids, sample_ids=rows).logits, plain.eval()(ids).logits)  # eval: h_0 = 0
+        a = noisy.train()(ids, sample_ids=rows).logits
+        b = noisy.train()(ids.flip(0), sample_ids=rows.flip(0)).logits.flip(0)  # the rows swapped
+        assert not torch.allclose(a, plain.train()(ids, sample_ids=rows).logits)
+    torch.testing.assert_close(a, b)

@@ -86,6 +86,11 @@ class SpiderArgs:
     """Truncated backprop: in training only the last ``backprop_loops`` loops keep a graph; the
     earlier ones run under no_grad and hand on a detached state (Geiping et al.: k = 8 of 32).
     0: every loop (full backprop)."""
+    loop_init_std: float = 0.0
+    """Training only: the core starts from ``h_0 ~ N(0, loop_init_std^2)`` instead of 0 (Geiping et al.
+    2025's random initial state, so the loops learn to converge from any state), the noise keyed by
+    the sample's global index (the same whatever rank or row; without ``sample_ids``, h_0 = 0).
+    Eval starts from 0. 0: off."""
     loop_lora: bool = True
     """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their
     weights exactly; an ablation)."""
@@ -205,6 +210,8 @@ class SpiderArgs:
                 f"target_bytes_per_segment: {self.target_bytes_per_segment} must be > 1 for boundary_loss = 'ratio' "
                 "(its N/(N-1) factor); use 'hinge' or a larger target"
             )
+        if self.loop_init_std < 0:
+            out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")
         if self.byte_dim < 0:
             out.append(f"byte_dim: {self.byte_dim} must be >= 0 (0: the model width dim)")
         if self.backprop_loops < 0:

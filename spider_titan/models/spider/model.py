@@ -216,6 +216,7 @@ class Spider(nn.Module):
             seg_valid=seg.seg_valid,
             early_exit=not self.training,
             backprop_loops=a.backprop_loops if self.training else 0,
+            init_keys=sample_ids if self.training else None,
         )
         x = x + upsample(self.up_proj(core.output), seg)  # (B, T, dim)
         logits = self.lm_head(self.norm(self.coda(x, freqs)))  # (B, T, VOCAB_SIZE)

@@ -30,6 +30,7 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
    are still computed until the whole batch halts (their output is frozen); that cost is counted
    in ``aux["flops_per_byte"]`` (loops_run), never hidden.
 
+   With ``loop_init_std`` > 0, training starts from a random ``h_0`` (Geiping et al.), keyed per sample.
 6. Training with ``backprop_loops = k`` > 0 (truncated backprop, Geiping et al. 2025): loops
    ``0 .. n_loops - k - 1`` run under ``torch.no_grad()``, so the state entering loop ``n_loops - k`` is
    detached and only the last k loops (and ``inject``, which they read) get gradients. The MoE
@@ -63,6 +64,7 @@ from torch import nn
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import Engram
+from spider_titan.models.spider.segmentation import keyed_uniform
 from spider_titan.moe.layer import MoE
 
 # Keys the loop-count generator (with the step), as in seal-rg/recurrent-pretraining: a fixed
@@ -85,6 +87,16 @@ def sample_loops(args: SpiderArgs, step: int) -> int:
     rng = np.random.default_rng([_LOOP_SEED, step])
     rate = rng.lognormal(math.log(m) - sigma**2 / 2, sigma)
     return int(min(1 + rng.poisson(rate), args.max_loops))
+
+
+def initial_state(keys: torch.Tensor | None, S: int, dim: int, std: float) -> torch.Tensor | None:
+    """The random initial state ``h_0`` (B, S, dim) fp32, ``N(0, std^2)`` by Box-Muller from
+    ``keyed_uniform``: a pure function of (sample key, segment, channel), so a sample starts from
+    the same state on any rank or row. None (h_0 = 0) without keys or with std 0."""
+    if keys is None or std <= 0:
+        return None
+    u = keyed_uniform(keys, 2 * S * dim).view(-1, 2, S, dim)  # (B, 2, S, dim) in (0, 1)
+    return std * torch.sqrt(-2.0 * torch.log(u[:, 0])) * torch.cos(2.0 * math.pi * u[:, 1])
 
 
 def _at(weights: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
@@ -269,9 +281,11 @@ class RecurrentCore(nn.Module):
         seg_valid: torch.Tensor,
         early_exit: bool,
         backprop_loops: int = 0,
+        init_keys: torch.Tensor | None = None,
     ) -> CoreOutput:
         """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
-        under no_grad (truncated backprop, module docstring item 6)."""
+        under no_grad (truncated backprop, module docstring item 6). ``init_keys`` (B,) int64: with
+        ``loop_init_std`` > 0, the keys of the random initial state (``initial_state``)."""
         B, S, _ = s.shape
         truncate = backprop_loops > 0 and torch.is_grad_enabled()
         first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
@@ -285,11 +299,14 @@ class RecurrentCore(nn.Module):
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
 
         loops_run = 0
+        h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)
         h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
                 if i > 0:
                     h = decay * h + injected
+                elif h0 is not None:
+                    h = decay * h0.to(s.dtype) + injected
                 h = h + loop_emb[i].to(h.dtype)
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count S as a symbol, so one graph serves every loop and every batch
