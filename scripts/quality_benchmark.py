@@ -58,6 +58,19 @@ RUNS = [
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
     Run(
+        "spider_sampled_loops",
+        SPIDER_CONFIG,
+        ("--model.loop_sampling", "poisson_lognormal", "--model.backprop_loops", "1"),
+        "loop count sampled per step (Poisson-lognormal, mean n_loops), backprop through the last loop only",
+    ),
+    Run("spider_byte_dim64", SPIDER_CONFIG, ("--model.byte_dim", "64"), "byte-level parts at width 64, core at 128"),
+    Run(
+        "spider_byte_dim64_no_mlp",
+        SPIDER_CONFIG,
+        ("--model.byte_dim", "64", "--model.byte_mlp", "false"),
+        "byte-level parts at width 64 without MLPs (the FLOPs go to the core)",
+    ),
+    Run(
         "spider_old",
         SPIDER_CONFIG,
         (

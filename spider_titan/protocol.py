@@ -84,7 +84,8 @@ class ModelSpec:
                       trainer normalises it over all micro-batches and ranks); next-byte
                       cross-entropy unless a model says otherwise
     train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
-                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise)
+                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise),
+                      ``"step"`` (host int, the optimizer step: keys per-step randomness, the same on every rank)
     moe_tokens_per_byte: ``args -> float``, the tokens a MoE layer sees per input byte (Spider's core
                       runs on segments: 1 / target_bytes_per_segment); sizes expert parallel's
                       fixed-capacity dispatch. None: 1.

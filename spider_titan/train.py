@@ -199,6 +199,8 @@ class Trainer:
             # FSDP reduce-scatters gradients on the last micro-batch only (once per step)
             with maybe_no_grad_sync(model, is_last_microbatch=i == accum - 1):
                 extra = {"sample_ids": sample_ids} if "sample_ids" in run.spec.train_inputs else {}
+                if "step" in run.spec.train_inputs:  # keys per-step training randomness (Spider's loop count)
+                    extra["step"] = step
                 with self._autocast():
                     out = model(inputs, **extra)
                 ce = run.spec.loss_sum(out.logits, labels)

@@ -1,12 +1,16 @@
 """The validation pass: loss and bits per byte on the validation split, the same batches every time,
-once per eval variant of the model (e.g. Spider at 1, 2, 4 loops)."""
+once per distinct eval variant of the model (e.g. Spider at 1, 2, 4 loops; the default is its
+trained-loops pass, run once). ``validation.steps = -1``: the whole split, its last partial batch
+and the windows' tail included."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -17,12 +21,13 @@ from spider_titan.protocol import ModelSpec
 from spider_titan.training.health import NoLabelsError
 from spider_titan.training.progress import LN2
 from spider_titan.training.signals import StopSignal
-from spider_titan.vocab import IGNORE_INDEX
+from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 
 class Validator:
     """Runs the validation pass over ``loader`` from where it stands now: every pass replays the
-    loader from that position, so every pass sees the same batches."""
+    loader from that position, so every pass sees the same batches. ``validation.steps = -1`` reads
+    the whole split instead (``whole_split_batches``)."""
 
     def __init__(
         self,
@@ -41,24 +46,42 @@ class Validator:
         self.device, self.autocast, self.stop, self.world_size = device, autocast, stop, world_size
         self.start = loader.state_dict()
 
+    def variant_groups(self) -> list[tuple[dict, list[str]]]:
+        """The eval variants grouped by equal forward kwargs, in order: a group runs once and is
+        reported under each of its suffixes (Spider's default pass is its trained-loops pass)."""
+        variants = self.spec.eval_variants(self.model_args) if self.spec.eval_variants is not None else [("", {})]
+        groups: list[tuple[dict, list[str]]] = []
+        for suffix, kwargs in variants:
+            same = next((g for g in groups if g[0] == kwargs), None)
+            if same is None:
+                groups.append((kwargs, [suffix]))
+            else:
+                same[1].append(suffix)
+        return groups
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The pass's batches: ``validation.steps`` batches replayed from the loader's start
+        position, or with -1 every window of the split once (``whole_split_batches``)."""
+        if self.cfg.steps < 0:
+            return whole_split_batches(self.loader)
+        self.loader.load_state_dict(self.start)
+        return itertools.islice(iter(self.loader), max(self.cfg.steps, 1))
+
     @torch.no_grad()
     def __call__(self) -> dict[str, float] | None:
         """``val_loss<variant>`` and ``val_bpb<variant>``; the plain variant also reports the model's own
-        figures (``val_<aux key>``). None when a stop signal came: it is checked before every batch
-        (one CPU all-reduce), and a validation cut short is not reported."""
-        model, loader = self.model, self.loader
-        variants = self.spec.eval_variants(self.model_args) if self.spec.eval_variants is not None else [("", {})]
-        steps = self.cfg.steps if self.cfg.steps >= 0 else loader.num_windows // loader.global_batch_size
+        figures (``val_<aux key>``, means over the batches that hold labels). None when a stop signal
+        came: it is checked before every batch (one CPU all-reduce), and a validation cut short is
+        not reported."""
+        model = self.model
         model.eval()
         results: dict[str, float] = {}
-        for suffix, kwargs in variants:
+        for kwargs, suffixes in self.variant_groups():
             ce, n = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
             aux_sums: dict[str, torch.Tensor] = {}
+            aux_batches = torch.zeros((), device=self.device)
             batches = 0
-            loader.load_state_dict(self.start)
-            for i, (inputs, labels) in enumerate(loader):
-                if i >= max(steps, 1):
-                    break
+            for inputs, labels in self.batches():
                 if self.stop.requested():
                     model.train()
                     return None
@@ -66,22 +89,55 @@ class Validator:
                 with self.autocast():
                     out = model(inputs, **kwargs)
                 ce += self.spec.loss_sum(out.logits, labels)
-                n += (labels != IGNORE_INDEX).sum()
+                has_labels = (labels != IGNORE_INDEX).sum()
+                n += has_labels
                 batches += 1
-                if not suffix:
+                if "" in suffixes:  # a batch of padding rows only (the end of the split) has no figures
+                    keep = has_labels > 0
+                    aux_batches += keep
                     for key, value in out.aux.items():
-                        aux_sums[key] = aux_sums.get(key, 0) + value.detach().float()
+                        value = torch.where(keep, value.detach().float(), 0.0)
+                        aux_sums[key] = aux_sums.get(key, 0) + value
             keys = sorted(aux_sums)
-            total = all_reduce_sum(torch.stack([ce, n.float()] + [aux_sums[k] for k in keys]).double()).tolist()
+            stacked = [ce, n.float(), aux_batches] + [aux_sums[k] for k in keys]
+            total = all_reduce_sum(torch.stack(stacked).double()).tolist()
             if total[1] == 0:
                 raise NoLabelsError(
-                    f"validation: {loader.dataset.description} holds no label tokens (every target is PAD) in "
+                    f"validation: {self.loader.dataset.description} holds no label tokens (every target is PAD) in "
                     f"its first {batches} batches; fix the val split or set validation.enable = false"
                 )
             loss = total[0] / total[1]
-            results[f"val_loss{suffix}"] = loss
-            results[f"val_bpb{suffix}"] = loss / LN2
+            for suffix in suffixes:
+                results[f"val_loss{suffix}"] = loss
+                results[f"val_bpb{suffix}"] = loss / LN2
             for j, key in enumerate(keys):
-                results[f"val_{key}"] = total[j + 2] / (batches * self.world_size)
+                results[f"val_{key}"] = total[j + 3] / max(total[2], 1.0)
         model.train()
         return results
+
+
+def whole_split_batches(loader: ByteDataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every prediction of ``loader``'s split once: its windows in stream order (the sampler's
+    windows, stride seq_len), then the tail they leave (fewer than seq_len predictions) as one
+    PAD-padded row, the last global batch filled up with PAD rows. PAD labels are ignored, so the
+    loss sums over exactly the split's ``num_tokens - 1`` next-token predictions. Every rank yields
+    the same number of batches (its own rows of each global batch), as collectives need."""
+    ds, T, b = loader.dataset, loader.seq_len, loader.local_batch_size
+    n_full = loader.num_windows
+    tail = ds.num_tokens - 1 - n_full * T
+    n_rows = n_full + (tail > 0)
+    offset = loader.dp_rank * b
+    for first in range(0, n_rows, loader.global_batch_size):
+        rows = np.full((b, T + 1), PAD_ID, dtype=np.uint16)
+        for j in range(b):
+            r = first + offset + j
+            if r < n_full:
+                rows[j] = ds.window(r * T, T + 1)
+            elif r == n_full and tail > 0:
+                rows[j, : tail + 1] = ds.window(r * T, tail + 1)
+            if int(rows[j].max()) >= VOCAB_SIZE:
+                ds.raise_bad_token(r * T, rows[j])
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        labels = tokens[:, 1:].clone()
+        labels[labels == PAD_ID] = IGNORE_INDEX
+        yield tokens[:, :-1].contiguous(), labels

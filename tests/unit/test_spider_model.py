@@ -656,7 +656,13 @@ def test_eval_variants():
     from spider_titan.models.spider import SPIDER_SPEC
 
     variants = SPIDER_SPEC.eval_variants(DEBUG)
-    assert variants == [("", {}), ("_loops1", {"n_loops": 1}), ("_loops2", {"n_loops": 2}), ("_loops4", {"n_loops": 4})]
+    # the default pass is the trained loop count: the validator runs it once with "_loops2"
+    assert variants == [
+        ("", {"n_loops": 2}),
+        ("_loops1", {"n_loops": 1}),
+        ("_loops2", {"n_loops": 2}),
+        ("_loops4", {"n_loops": 4}),
+    ]
     big = dataclasses.replace(DEBUG, max_loops=8)
     assert SPIDER_SPEC.eval_variants(big)[-1] == ("_loops8", {"n_loops": 8})
 

@@ -130,6 +130,9 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
             None,
         ),
         (2, 256, {"boundary_predictor": "space"}, None),
+        (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
+        (2, 256, {"byte_dim": 64}, None),
+        (2, 128, {"byte_dim": 48, "byte_mlp": False, "boundary_predictor": "mlp", "boundary_ste": True}, None),
     ],
     ids=[
         "default",
@@ -140,6 +143,9 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "fixed_no_lora_no_engram",
         "hnet",
         "space",
+        "truncated",
+        "byte_dim",
+        "byte_dim_no_byte_mlp",
     ],
 )
 def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):

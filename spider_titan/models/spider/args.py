@@ -27,6 +27,15 @@ class SpiderArgs:
     v_head_dim: int = 32
     """MLA: per-head value width."""
 
+    byte_dim: int = 0
+    """Width of the byte-level parts (``embed_tokens``, ``prelude``, ``boundary_predictor``, ``coda``,
+    ``norm``, ``lm_head``); 0 means ``dim``. Narrower than ``dim`` (H-Net's narrow outer stages), the
+    core's ``inject`` projects the pooled segments up (byte_dim -> dim) and ``up_proj`` projects the
+    core output down (dim -> byte_dim), so the FLOPs per byte move into the core; at ``dim`` the model
+    is the plain one, tensor for tensor (old checkpoints load)."""
+    byte_mlp: bool = True
+    """SwiGLU MLPs (``inter_dim``) in the byte blocks; false: attention-only byte blocks."""
+
     # ---- depth
     n_prelude: int = 1
     """Dense byte blocks before the boundary predictor (``prelude.layers``)."""
@@ -67,6 +76,21 @@ class SpiderArgs:
     output is the last loop's state (fixed depth; ``mean_loops`` = loops run). ``act``: Graves'
     adaptive halting (halting-weighted sum of the loop states, ponder loss, early exit at eval).
     ``act`` collapsed to ~1 loop in training, so ``none`` is the default (docs/experiments.md)."""
+    loop_sampling: Literal["fixed", "poisson_lognormal"] = "fixed"
+    """Core loops per training step. ``fixed``: ``n_loops`` every step. ``poisson_lognormal``
+    (Geiping et al. 2025): ``1 + Poisson(r)``, r log-normal (sigma 1/2) with mean ``n_loops - 1``,
+    so the mean is ``n_loops`` (slightly less after the cap at ``max_loops``); drawn on the host
+    from a generator keyed by the optimizer step, so every rank and micro-batch of a step runs the
+    same count without a collective (recurrence.sample_loops). Eval runs ``n_loops`` unless asked."""
+    backprop_loops: int = 0
+    """Truncated backprop: in training only the last ``backprop_loops`` loops keep a graph; the
+    earlier ones run under no_grad and hand on a detached state (Geiping et al.: k = 8 of 32).
+    0: every loop (full backprop)."""
+    loop_init_std: float = 0.0
+    """Training only: the core starts from ``h_0 ~ N(0, loop_init_std^2)`` instead of 0 (Geiping et al.
+    2025's random initial state, so the loops learn to converge from any state), the noise keyed by
+    the sample's global index (the same whatever rank or row; without ``sample_ids``, h_0 = 0).
+    Eval starts from 0. 0: off."""
     loop_lora: bool = True
     """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their
     weights exactly; an ablation)."""
@@ -146,6 +170,11 @@ class SpiderArgs:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
 
+    @property
+    def byte_width(self) -> int:
+        """The byte-level width: ``byte_dim``, or ``dim`` when it is 0."""
+        return self.byte_dim or self.dim
+
     def validate(self) -> list[str]:
         """Every inconsistency among the fields, one line each (empty when the args are usable)."""
         out = []
@@ -196,6 +225,7 @@ class SpiderArgs:
             ("boundary_loss", ("ratio", "hinge")),
             ("boundary_noise", ("none", "gumbel")),
             ("halting", ("none", "act")),
+            ("loop_sampling", ("fixed", "poisson_lognormal")),
         ):
             if getattr(self, name) not in allowed:
                 out.append(f"{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
@@ -203,6 +233,17 @@ class SpiderArgs:
             out.append(
                 f"target_bytes_per_segment: {self.target_bytes_per_segment} must be > 1 for boundary_loss = 'ratio' "
                 "(its N/(N-1) factor); use 'hinge' or a larger target"
+            )
+        if self.loop_init_std < 0:
+            out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")
+        if self.byte_dim < 0:
+            out.append(f"byte_dim: {self.byte_dim} must be >= 0 (0: the model width dim)")
+        if self.backprop_loops < 0:
+            out.append(f"backprop_loops: {self.backprop_loops} must be >= 0 (0: backprop through every loop)")
+        if self.halting == "act" and (self.loop_sampling != "fixed" or self.backprop_loops):
+            out.append(
+                "halting: 'act' takes loop_sampling = 'fixed' and backprop_loops = 0 (sampled or truncated "
+                "loops train the fixed-depth core); set halting = 'none' or drop those options"
             )
         if self.segment_bucket < 0:
             out.append(f"segment_bucket: {self.segment_bucket} must be >= 0 (0 or 1: no bucketing)")

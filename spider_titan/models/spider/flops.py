@@ -8,7 +8,8 @@ T*(T+1)/2 ~ T^2/2 unmasked pairs, what a causal flash kernel computes), the same
 SDPA over the full T^2, and not at all for CPU flash attention; the test adds SDPA by this
 formula.) The segment pooling is a scatter/gather, no matmul, so it is not counted.
 
-The core runs on segments, so its cost per byte scales with ``n_loops / bytes_per_segment``;
+The core runs on segments, so its cost per byte scales with ``n_loops / bytes_per_segment``
+(under truncated backprop, loops before the last ``backprop_loops`` cost their forward only);
 both are inputs (defaults: the args' ``n_loops`` and ``target_bytes_per_segment``, a planning
 estimate). The honest number for a step is ``aux["flops_per_byte"]`` of its training forward,
 computed with ``n_loops = loops_run`` and ``bytes_per_segment = T / S``, S being the batch's
@@ -21,26 +22,38 @@ from spider_titan.vocab import VOCAB_SIZE
 
 
 def spider_flops_breakdown(
-    args, seq_len: int, n_loops: float | None = None, bytes_per_segment: float | None = None
+    args,
+    seq_len: int,
+    n_loops: float | None = None,
+    bytes_per_segment: float | None = None,
+    backprop_loops: float | None = None,
 ) -> dict[str, float]:
-    """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``."""
+    """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``.
+    ``backprop_loops``: the loops that also run backward (default: the args' ``backprop_loops``,
+    0 meaning every loop); the others cost their forward only (truncated backprop)."""
     a = args
     loops = a.n_loops if n_loops is None else n_loops
+    k = a.backprop_loops if backprop_loops is None else backprop_loops
+    grad_loops = loops if k <= 0 else min(k, loops)
     bps = a.target_bytes_per_segment if bytes_per_segment is None else bytes_per_segment
     T = float(seq_len)
     S = T / bps  # segments per sequence
     d, H = a.dim, a.n_heads
+    db = a.byte_dim or d  # the byte-level width (embeddings, byte blocks, predictor, head)
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
 
     def mm(m: float, n: float) -> float:  # one row through an (m -> n) matmul
         return 2.0 * m * n
 
-    attn_proj = (
-        mm(d, H * qk)
-        + mm(d, a.kv_lora_rank + a.qk_rope_head_dim)
-        + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim))
-        + mm(H * a.v_head_dim, d)
-    )
+    def attn_proj_at(width: float) -> float:  # MLA's projections of one row at model width ``width``
+        return (
+            mm(width, H * qk)
+            + mm(width, a.kv_lora_rank + a.qk_rope_head_dim)
+            + mm(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim))
+            + mm(H * a.v_head_dim, width)
+        )
+
+    attn_proj = attn_proj_at(d)
 
     def attn_scores(context: float) -> float:  # per query, causal-halved: QK^T and PV
         return (mm(qk, context) * H + mm(context, a.v_head_dim) * H) / 2
@@ -58,26 +71,33 @@ def spider_flops_breakdown(
         "act_halting": mm(d, 1) * (a.halting == "act"),
     }
     fwd = {
-        "byte_blocks": n_bytes_blocks * (attn_proj + 3 * mm(d, a.inter_dim)),
+        "byte_blocks": n_bytes_blocks * (attn_proj_at(db) + 3 * mm(db, a.inter_dim) * a.byte_mlp),
         "byte_attention_scores": n_bytes_blocks * attn_scores(T),
         # Without the straight-through path the predictor reads the prelude detached: its backward
         # computes weight gradients only (2x forward instead of 3x in total).
-        "boundary_predictor": {"mlp": mm(d, d) + mm(d, 1), "cosine": 2 * mm(d, d), "fixed": 0.0, "space": 0.0}[
+        "boundary_predictor": {"mlp": mm(db, db) + mm(db, 1), "cosine": 2 * mm(db, db), "fixed": 0.0, "space": 0.0}[
             a.boundary_predictor
         ]
         * (1.0 if a.boundary_ste or a.boundary_confidence else 2.0 / 3.0),
-        "inject_up_proj": 2 * mm(d, d) / bps,  # once per segment each
-        "residual_proj": mm(d, d) * a.stage_init,
-        # the EMA over segments as one (S x S) @ (S x dim) product per row
-        "dechunk_smoothing": mm(S, d) / bps * a.dechunk_smoothing,
+        "inject_up_proj": 2 * mm(db, d) / bps,  # once per segment each: byte_dim -> dim and back
+        "residual_proj": mm(db, db) * a.stage_init,
+        # the EMA over segments as one (S x S) @ (S x byte_dim) product per row
+        "dechunk_smoothing": mm(S, db) / bps * a.dechunk_smoothing,
         **{k: v * loops / bps for k, v in per_segment_loop.items()},
-        "lm_head": mm(d, VOCAB_SIZE),
+        "lm_head": mm(db, VOCAB_SIZE),
     }
-    return {k: 3.0 * v for k, v in fwd.items()}
+    out = {k: 3.0 * v for k, v in fwd.items()}
+    # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.
+    out.update({k: v * (loops + 2.0 * grad_loops) / bps for k, v in per_segment_loop.items()})
+    return out
 
 
 def spider_flops_per_byte(
-    args, seq_len: int, n_loops: float | None = None, bytes_per_segment: float | None = None
+    args,
+    seq_len: int,
+    n_loops: float | None = None,
+    bytes_per_segment: float | None = None,
+    backprop_loops: float | None = None,
 ) -> float:
     """Training (fwd + bwd) FLOPs per input byte; also Spider's ``ModelSpec.flops_per_token``."""
-    return sum(spider_flops_breakdown(args, seq_len, n_loops, bytes_per_segment).values())
+    return sum(spider_flops_breakdown(args, seq_len, n_loops, bytes_per_segment, backprop_loops).values())

@@ -2,17 +2,18 @@
 
 ``forward(input_ids (B, T), labels (B, T) | None, n_loops | None) -> SpiderOutput``:
 
-1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
+1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position), all
+   byte-level parts at ``byte_dim`` (default ``dim``; narrower puts the FLOPs in the core)
 2. ``boundary_predictor`` + forced boundaries -> segments, by one rule in training and eval
    (segmentation.py; ``boundary_predictor = "fixed"`` cuts every round(target) bytes instead,
    ``"space"`` after words, SpaceByte's rule)
 3. ``downsample`` (segment means; with ``chunk_convention = "first"`` a chunk's first byte) -> ``core``
    (recurrent MoE blocks, fixed depth or ACT, recurrence.py), on ``(B, S, dim)`` with a segment mask;
    Engram bucket ids hashed from the bytes (engram.py; under ``first`` chunk k gets chunk k - 1's)
-4. ``up_proj`` on the core output, optionally smoothed over segments (``dechunk_smoothing``), causal
-   ``upsample`` (byte t reads the segment that ended before its own; under ``first`` its own chunk),
-   times H-Net's confidence factor (``boundary_confidence``, value 1), added to the prelude residual
-   (through the zero-initialised ``residual_proj`` with ``stage_init``)
+4. ``up_proj`` (dim -> byte_dim) on the core output, optionally smoothed over segments
+   (``dechunk_smoothing``), causal ``upsample`` (byte t reads the segment that ended before its own;
+   under ``first`` its own chunk), times H-Net's confidence factor (``boundary_confidence``, value 1),
+   added to the prelude residual (through the zero-initialised ``residual_proj`` with ``stage_init``)
 5. ``coda`` (dense byte blocks) -> ``norm`` -> ``lm_head`` -> logits (B, T, 272)
 
 Losses: ``loss = lm_loss + aux_loss`` with ``aux_loss = moe_aux_coeff * moe_aux_loss +
@@ -25,7 +26,8 @@ segment has halted).
 
 ``aux["flops_per_byte"]``: training FLOPs (fwd + bwd) per input byte of this very forward, from
 the batch's largest segment count (short rows' padding included, ``segment_bucket`` padding not:
-the bucket leaves every reported figure unchanged) and ``loops_run``
+the bucket leaves every reported figure unchanged), ``loops_run`` (forward) and the loops with a
+graph (backward; fewer under truncated backprop, ``backprop_loops``)
 (``spider_flops_per_byte``, causal attention counted halved like the dense baseline); a
 detached scalar made from host ints, so it costs no extra sync.
 
@@ -39,7 +41,7 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
 * residual outputs (``wo``, ``w2``, expert ``w2``, Engram ``value_proj``, ``up_proj``) trunc-normal
   ``0.02 / sqrt(2 * depth)`` with depth = n_prelude + n_core * n_loops + n_coda, the number of
   residual blocks a byte's state passes through in training;
-* ``lm_head`` trunc-normal ``dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
+* ``lm_head`` trunc-normal ``byte_dim**-0.5``; norms 1; biases 0 except the boundary predictor's output
   bias (``logit(1/target_bytes_per_segment)``) and the halting bias (recurrence.py);
 * zero: LoRA B matrices, ``loop_embedding``, Engram tables (docs/model.md); LoRA A N(0, 1/in_features);
   ``decay_lambda`` 0 (a = 1/2); cosine boundary projections: identity (H-Net); boundary
@@ -62,7 +64,7 @@ from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.models.spider.flops import spider_flops_per_byte
-from spider_titan.models.spider.recurrence import RecurrentCore
+from spider_titan.models.spider.recurrence import RecurrentCore, sample_loops
 from spider_titan.models.spider.segmentation import (
     BoundaryPredictor,
     boundary_confidence,
@@ -89,20 +91,45 @@ class SpiderOutput(ModelOutput):
     loops), ``flops_per_byte`` (training FLOPs per input byte of this forward's segmentation)."""
 
 
+class AttentionBlock(nn.Module):
+    """A byte block without MLP (``byte_mlp = false``): ``x += attention(attention_norm(x), freqs)``."""
+
+    def __init__(self, attention: nn.Module, dim: int, norm_eps: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.attention_norm(x), freqs)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+
+
 class ByteStack(nn.Module):
-    """A stack of dense byte blocks (``prelude`` / ``coda``): pre-norm MLA + SwiGLU blocks in ``layers``."""
+    """A stack of byte blocks (``prelude`` / ``coda``) at ``byte_dim``: pre-norm MLA + SwiGLU blocks in
+    ``layers`` (MLA only with ``byte_mlp = false``); the MLA head sizes are the core's."""
 
     def __init__(self, args: SpiderArgs, n_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(
-            PreNormBlock(
-                MLA.from_args(args),
-                args.dim,
-                args.inter_dim,
+        width = args.byte_width
+
+        def block() -> nn.Module:
+            attention = MLA(
+                width,
+                args.n_heads,
+                args.kv_lora_rank,
+                args.qk_nope_head_dim,
+                args.qk_rope_head_dim,
+                args.v_head_dim,
                 args.norm_eps,
             )
-            for _ in range(n_layers)
-        )
+            if args.byte_mlp:
+                return PreNormBlock(attention, width, args.inter_dim, args.norm_eps)
+            return AttentionBlock(attention, width, args.norm_eps)
+
+        self.layers = nn.ModuleList(block() for _ in range(n_layers))
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         for block in self.layers:
@@ -119,20 +146,21 @@ class Spider(nn.Module):
         if problems:
             raise ValueError("SpiderArgs: " + "; ".join(problems))
         self.args = args
-        self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
+        width = args.byte_width  # the byte-level parts; the core (with its inject: width -> dim) at dim
+        self.embed_tokens = nn.Embedding(VOCAB_SIZE, width)
         self.prelude = ByteStack(args, args.n_prelude)
         self.boundary_predictor = (
             None
             if args.boundary_predictor in ("fixed", "space")
-            else BoundaryPredictor(args.dim, args.boundary_predictor, standardize=args.boundary_standardize)
+            else BoundaryPredictor(width, args.boundary_predictor, standardize=args.boundary_standardize)
         )
         self.core = RecurrentCore(args)
-        self.up_proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, width, bias=False)  # the core output down to the byte width
         # stage_init: the prelude residual reaches the coda through a zero-initialised projection (H-Net)
-        self.residual_proj = nn.Linear(args.dim, args.dim, bias=False) if args.stage_init else None
+        self.residual_proj = nn.Linear(width, width, bias=False) if args.stage_init else None
         self.coda = ByteStack(args, args.n_coda)
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, VOCAB_SIZE, bias=False)
+        self.norm = nn.RMSNorm(width, eps=args.norm_eps)
+        self.lm_head = nn.Linear(width, VOCAB_SIZE, bias=False)
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place (see the module docstring for the choices)."""
@@ -152,7 +180,7 @@ class Spider(nn.Module):
             nn.init.eye_(self.up_proj.weight)
             nn.init.zeros_(self.residual_proj.weight)
         self.norm.reset_parameters()
-        nn.init.trunc_normal_(self.lm_head.weight, std=a.dim**-0.5)
+        nn.init.trunc_normal_(self.lm_head.weight, std=a.byte_width**-0.5)
 
     def forward(
         self,
@@ -160,14 +188,20 @@ class Spider(nn.Module):
         labels: torch.Tensor | None = None,
         n_loops: int | None = None,
         sample_ids: torch.Tensor | None = None,
+        step: int | None = None,
     ) -> SpiderOutput:
         """``sample_ids`` (B,) int64, optional: keys for the boundary noise in training, one per row
         (the trainer passes each sample's global index), so that a sample is segmented the same
-        way whichever rank or micro-batch it lands in; without them the noise is torch's RNG."""
+        way whichever rank or micro-batch it lands in; without them the noise is torch's RNG.
+        ``step`` (host int, optional): the optimizer step, which keys the training loop count under
+        ``loop_sampling = "poisson_lognormal"`` (the same on every rank and micro-batch of the
+        step); without it, or with ``n_loops`` given, training runs ``n_loops`` (default: the mean)."""
         a = self.args
         B, T = input_ids.shape
         if T > a.max_seq_len:
             raise ValueError(f"sequence length {T} > max_seq_len {a.max_seq_len}; raise model.max_seq_len")
+        if n_loops is None and self.training and step is not None and a.loop_sampling == "poisson_lognormal":
+            n_loops = sample_loops(a, step)
         n_loops = a.n_loops if n_loops is None else int(n_loops)
         if not 1 <= n_loops <= a.max_loops:
             raise ValueError(f"n_loops: {n_loops} must be in [1, max_loops={a.max_loops}]")
@@ -210,6 +244,8 @@ class Spider(nn.Module):
             seg_real=seg.seg_real,
             seg_valid=seg.seg_valid,
             early_exit=not self.training,
+            backprop_loops=a.backprop_loops if self.training else 0,
+            init_keys=sample_ids if self.training else None,
         )
         y = self.up_proj(core.output)  # (B, S, dim)
         if a.dechunk_smoothing:
@@ -240,7 +276,13 @@ class Spider(nn.Module):
             # (short rows padded to it), without the bucket's padding (overhead, not model FLOPs).
             FLOPS_PER_BYTE: torch.full(
                 (),
-                spider_flops_per_byte(a, T, n_loops=core.loops_run, bytes_per_segment=T / seg.max_row_segments),
+                spider_flops_per_byte(
+                    a,
+                    T,
+                    n_loops=core.loops_run,
+                    bytes_per_segment=T / seg.max_row_segments,
+                    backprop_loops=core.backprop_loops,
+                ),
                 device=device,
             ),
         }
@@ -272,9 +314,10 @@ def parameter_breakdown(model: Spider) -> dict[str, int]:
 
 
 def spider_eval_variants(args: SpiderArgs) -> list[tuple[str, dict]]:
-    """Validation passes (``ModelSpec.eval_variants``): the default, then eval loop counts 1, 2, 4
+    """Validation passes (``ModelSpec.eval_variants``): the default (the trained loop count, which
+    the validator runs once with the equal ``_loops<n_loops>`` pass), then eval loop counts 1, 2, 4
     and ``max_loops`` (test-time compute), deduplicated and capped at ``max_loops``."""
-    out, seen = [("", {})], set()
+    out, seen = [("", {"n_loops": args.n_loops})], set()
     for n in (1, 2, 4, args.max_loops):
         if n <= args.max_loops and n not in seen:
             seen.add(n)
@@ -296,6 +339,6 @@ SPIDER_SPEC = ModelSpec(
     flops_per_token=spider_flops_per_byte,
     recurrent_containers=("core.layers",),
     eval_variants=spider_eval_variants,
-    train_inputs=("sample_ids",),  # boundary noise keyed by global sample index
+    train_inputs=("sample_ids", "step"),  # boundary noise keyed by global sample index, loop count by step
     moe_tokens_per_byte=spider_moe_tokens_per_byte,
 )

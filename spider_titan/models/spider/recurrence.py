@@ -3,9 +3,9 @@
 References: Geiping et al. 2025 (arXiv 2502.05171, input injection every loop); Bae et al. 2024
 (arXiv 2410.20672, per-loop LoRA in recursive transformers); Graves 2016 (arXiv 1603.08983, ACT).
 
-Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h_0 = 0``:
+Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting from ``h_0 = 0``:
 
-1. LTI injection ``h = a * h + inject(s)`` with ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim,
+1. LTI injection ``h = a * h + inject(s)`` (``inject``: byte_dim -> dim, the projection into the core) with ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim,
    a stable learnable diagonal; ``inject(s)`` is computed once and reused by every loop.
    ``decay_lambda`` starts at 0, i.e. ``a = 1/2``: each loop keeps half of the previous state.
 2. ``h = h + loop_embedding[i]`` (zero-initialised).
@@ -30,6 +30,14 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, dim)``, starting from ``h
    are still computed until the whole batch halts (their output is frozen); that cost is counted
    in ``aux["flops_per_byte"]`` (loops_run), never hidden.
 
+   With ``loop_init_std`` > 0, training starts from a random ``h_0`` (Geiping et al.), keyed per sample.
+6. Training with ``backprop_loops = k`` > 0 (truncated backprop, Geiping et al. 2025): loops
+   ``0 .. n_loops - k - 1`` run under ``torch.no_grad()``, so the state entering loop ``n_loops - k`` is
+   detached and only the last k loops (and ``inject``, which they read) get gradients. The MoE
+   balancing loss is then the mean over those k loops (the others have no graph); their expert
+   counts still enter ``moe_counts``. ``loop_sampling = "poisson_lognormal"``: the trainer's step
+   keys ``sample_loops``, which draws ``n_loops`` for that step on the host.
+
 Why fixed depth by default: with ACT the ponder cost drove the halting unit to stop after about
 one loop while training still paid for every loop (docs/experiments.md, "Recurrent depth").
 
@@ -48,6 +56,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,7 +64,39 @@ from torch import nn
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import Engram
+from spider_titan.models.spider.segmentation import keyed_uniform
 from spider_titan.moe.layer import MoE
+
+# Keys the loop-count generator (with the step), as in seal-rg/recurrent-pretraining: a fixed
+# offset so step 0 is not seed 0.
+_LOOP_SEED = 514229
+
+
+def sample_loops(args: SpiderArgs, step: int) -> int:
+    """Training loop count of optimizer step ``step`` under ``loop_sampling = "poisson_lognormal"``:
+    ``1 + Poisson(r)``, ``r ~ LogNormal(log(m) - sigma^2 / 2, sigma)`` with ``m = n_loops - 1`` and
+    sigma 1/2 (so E[r] = m and the mean count is ``n_loops``), capped at ``max_loops`` (loop
+    embeddings and LoRA adapters exist up to there). A pure function of (args, step), drawn on the
+    host: every rank and micro-batch of a step gets the same count with no collective and no sync.
+    Geiping et al. draw ``1 + Poisson(r)`` with E[r] = the mean, i.e. one loop more on average;
+    here the mean is the configured ``n_loops`` so FLOPs budgets stay comparable with fixed depth."""
+    m = args.n_loops - 1
+    if m <= 0:
+        return 1
+    sigma = 0.5
+    rng = np.random.default_rng([_LOOP_SEED, step])
+    rate = rng.lognormal(math.log(m) - sigma**2 / 2, sigma)
+    return int(min(1 + rng.poisson(rate), args.max_loops))
+
+
+def initial_state(keys: torch.Tensor | None, S: int, dim: int, std: float) -> torch.Tensor | None:
+    """The random initial state ``h_0`` (B, S, dim) fp32, ``N(0, std^2)`` by Box-Muller from
+    ``keyed_uniform``: a pure function of (sample key, segment, channel), so a sample starts from
+    the same state on any rank or row. None (h_0 = 0) without keys or with std 0."""
+    if keys is None or std <= 0:
+        return None
+    u = keyed_uniform(keys, 2 * S * dim).view(-1, 2, S, dim)  # (B, 2, S, dim) in (0, 1)
+    return std * torch.sqrt(-2.0 * torch.log(u[:, 0])) * torch.cos(2.0 * math.pi * u[:, 1])
 
 
 def _at(weights: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
@@ -200,6 +241,7 @@ class CoreOutput:
     ponder_loss:  scalar fp32, Graves' N + R averaged over real segments
     mean_loops:   scalar fp32, mean halting loop N over real segments (detached)
     loops_run:    loops actually computed (host int)
+    backprop_loops: of those, the loops with a graph (host int; ``loops_run`` outside truncated training)
     """
 
     output: torch.Tensor
@@ -208,6 +250,7 @@ class CoreOutput:
     ponder_loss: torch.Tensor
     mean_loops: torch.Tensor
     loops_run: int
+    backprop_loops: int
 
 
 class RecurrentCore(nn.Module):
@@ -217,7 +260,7 @@ class RecurrentCore(nn.Module):
         super().__init__()
         self.args = args
         self.layers = nn.ModuleList(CoreBlock(args, j) for j in range(args.n_core))
-        self.inject = nn.Linear(args.dim, args.dim, bias=False)
+        self.inject = nn.Linear(args.byte_width, args.dim, bias=False)  # also the byte_dim -> dim projection
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -237,33 +280,45 @@ class RecurrentCore(nn.Module):
         seg_real: torch.Tensor,
         seg_valid: torch.Tensor,
         early_exit: bool,
+        backprop_loops: int = 0,
+        init_keys: torch.Tensor | None = None,
     ) -> CoreOutput:
+        """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
+        under no_grad (truncated backprop, module docstring item 6). ``init_keys`` (B,) int64: with
+        ``loop_init_std`` > 0, the keys of the random initial state (``initial_state``)."""
         B, S, _ = s.shape
+        truncate = backprop_loops > 0 and torch.is_grad_enabled()
+        first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
         injected = self.inject(s)  # (B, S, dim), the same every loop
         decay = torch.exp(-F.softplus(self.decay_lambda.float())).to(s.dtype)  # (dim,) in (0, 1)
         loop_emb = self.loop_embedding.weight
 
         act = HaltingState.start(B, S, s.device)
-        out = s.new_zeros(B, S, s.shape[-1], dtype=torch.float32)
+        out = s.new_zeros(B, S, self.args.dim, dtype=torch.float32)
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
 
         loops_run = 0
+        h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)
         h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
         for i in range(n_loops):
-            if i > 0:
-                h = decay * h + injected
-            h = h + loop_emb[i].to(h.dtype)
-            # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
-            # the segment count S as a symbol, so one graph serves every loop and every batch
-            # instead of a recompile per loop index and per new S.
-            loop = torch.full((), i, dtype=torch.int64, device=s.device)
-            for t, dim in ((h, 1), (freqs, 0), (bucket_ids, 1), (seg_real, 1)):
-                torch._dynamo.maybe_mark_dynamic(t, dim)
-            for block in self.layers:
-                h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real)
-                aux_sum = aux_sum + aux
-                counts = counts + cnt
+            with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
+                if i > 0:
+                    h = decay * h + injected
+                elif h0 is not None:
+                    h = decay * h0.to(s.dtype) + injected
+                h = h + loop_emb[i].to(h.dtype)
+                # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
+                # the segment count S as a symbol, so one graph serves every loop and every batch
+                # instead of a recompile per loop index and per new S.
+                loop = torch.full((), i, dtype=torch.int64, device=s.device)
+                for t, dim in ((h, 1), (freqs, 0), (bucket_ids, 1), (seg_real, 1)):
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+                for block in self.layers:
+                    h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real)
+                    if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph
+                        aux_sum = aux_sum + aux
+                    counts = counts + cnt
             loops_run += 1
 
             if self.halt_predictor is None:
@@ -275,7 +330,8 @@ class RecurrentCore(nn.Module):
             if early_exit and i < n_loops - 1 and bool((act.halted | ~seg_valid).all()):
                 break
 
-        moe_aux_loss = aux_sum / (loops_run * len(self.layers))
+        grad_loops = loops_run - min(first_grad_loop, loops_run)
+        moe_aux_loss = aux_sum / (max(grad_loops, 1) * len(self.layers))
         if self.halt_predictor is None:  # fixed depth: every segment used every loop
             zero = s.new_zeros((), dtype=torch.float32)
             return CoreOutput(
@@ -285,6 +341,7 @@ class RecurrentCore(nn.Module):
                 ponder_loss=zero,
                 mean_loops=zero + float(loops_run),
                 loops_run=loops_run,
+                backprop_loops=grad_loops,
             )
         real = seg_real.float()
         sums = torch.stack([((act.n_used + act.remainder) * real).sum(), (act.n_used * real).sum(), real.sum()])
@@ -298,6 +355,7 @@ class RecurrentCore(nn.Module):
             ponder_loss=sums[0] / n_real,
             mean_loops=(sums[1] / n_real).detach(),
             loops_run=loops_run,
+            backprop_loops=grad_loops,
         )
 
     def init_weights(self, init_std: float, out_std: float) -> None:

@@ -1,0 +1,124 @@
+"""The validation pass (training/validation.py): the whole split with ``steps = -1`` (its last
+partial batch and the windows' tail included) and one pass per distinct eval variant."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spider_titan.config.job_config import Validation
+from spider_titan.data.loader import ByteDataLoader, TokenDataset
+from spider_titan.protocol import ModelOutput, ModelSpec
+from spider_titan.training.signals import StopSignal
+from spider_titan.training.validation import Validator, whole_split_batches
+from spider_titan.vocab import IGNORE_INDEX, VOCAB_SIZE
+
+
+class Bigram(nn.Module):
+    """Logits from the current byte only, so the loss of a prediction does not depend on how the
+    stream is cut into windows: a pass over the split can be checked against the stream directly.
+    ``scale`` (an eval variant's kwarg) sharpens the logits; ``calls`` counts forwards per scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(VOCAB_SIZE, VOCAB_SIZE)
+        self.calls: dict[float, int] = {}
+
+    def forward(self, input_ids: torch.Tensor, scale: float = 1.0) -> ModelOutput:
+        self.calls[scale] = self.calls.get(scale, 0) + 1
+        logits = self.table(input_ids) * scale
+        return ModelOutput(logits=logits, aux={"mean_input": input_ids.float().mean()})
+
+
+def spec(variants) -> ModelSpec:
+    return ModelSpec(
+        name="bigram",
+        args_cls=dict,
+        flavors={},
+        model_cls=Bigram,
+        block_containers=(),
+        flops_per_token=lambda args, seq_len: 0.0,
+        eval_variants=(lambda args: variants) if variants is not None else None,
+    )
+
+
+def stream(n: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, n).astype(np.uint16)
+
+
+def loader(tokens: np.ndarray, *, batch: int, rank: int = 0, world: int = 1) -> ByteDataLoader:
+    ds = TokenDataset([tokens], description="test val split")
+    return ByteDataLoader(ds, seq_len=16, local_batch_size=batch, dp_rank=rank, dp_world_size=world, seed=0)
+
+
+def direct_loss(model: Bigram, tokens: np.ndarray, scale: float = 1.0) -> float:
+    t = torch.from_numpy(tokens.astype(np.int64))
+    with torch.no_grad():
+        return F.cross_entropy(model.table(t[:-1]).float() * scale, t[1:]).item()
+
+
+def validator(model, variants, data: ByteDataLoader, steps: int) -> Validator:
+    return Validator(
+        model,
+        spec(variants),
+        {},
+        data,
+        Validation(enable=True, steps=steps),
+        device=torch.device("cpu"),
+        autocast=nullcontext,
+        stop=StopSignal(world_size=1),
+        world_size=1,
+    )
+
+
+@pytest.mark.parametrize("n_tokens", [200, 193])  # 12 windows and a 7-token tail; 12 windows and no tail
+def test_whole_split_bpb_equals_the_direct_computation(n_tokens):
+    """steps = -1 over 12 windows in batches of 5 (two full, one partial) plus the tail: the bpb of
+    every one of the split's num_tokens - 1 predictions, as computed on the stream itself."""
+    torch.manual_seed(0)
+    model = Bigram()
+    tokens = stream(n_tokens)
+    data = loader(tokens, batch=5)
+    assert data.num_windows == 12 and data.num_windows % data.global_batch_size
+    results = validator(model, None, data, steps=-1)()
+    assert results["val_bpb"] == pytest.approx(direct_loss(model, tokens) / math.log(2), rel=1e-6)
+    assert model.calls[1.0] == 3  # ceil(12 (+ the tail row) / 5)
+
+
+def test_whole_split_ranks_share_the_predictions_once():
+    """Two data-parallel ranks yield the same number of batches and, together, every prediction
+    once (the padding rows of the last global batch carry no labels)."""
+    tokens = stream(200)
+    per_rank = [list(whole_split_batches(loader(tokens, batch=3, rank=r, world=2))) for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 3  # 13 rows in global batches of 6
+    labels = [lab for batches in per_rank for _, lab in batches]
+    assert sum(int((lab != IGNORE_INDEX).sum()) for lab in labels) == len(tokens) - 1
+    seen = sorted(int(x) for lab in labels for x in lab[lab != IGNORE_INDEX])
+    assert seen == sorted(int(x) for x in tokens[1:])
+
+
+def test_equal_variants_run_once_and_report_under_each_suffix():
+    """A default variant equal to a named one (Spider's trained loop count) is run once; the
+    figures of both suffixes are that pass's, and the aux figures come with the plain one."""
+    torch.manual_seed(0)
+    model = Bigram()
+    tokens = stream(400)
+    variants = [("", {"scale": 2.0}), ("_x1", {"scale": 1.0}), ("_x2", {"scale": 2.0})]
+    results = validator(model, variants, loader(tokens, batch=2), steps=3)()
+    assert model.calls == {2.0: 3, 1.0: 3}
+    assert results["val_bpb"] == results["val_bpb_x2"] != results["val_bpb_x1"]
+    assert set(results) == {
+        "val_loss",
+        "val_bpb",
+        "val_loss_x1",
+        "val_bpb_x1",
+        "val_loss_x2",
+        "val_bpb_x2",
+        "val_mean_input",
+    }
