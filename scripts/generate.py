@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 # Run from a checkout without `pip install -e .`: make the repository root importable.
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from spider_titan.generation import check_sampling, generate, load_model, resolve_device  # noqa: E402
+from spider_titan.generation import check_sampling, generate, load_model, resolve_device, uses_cache  # noqa: E402
 from spider_titan.protocol import DTYPES  # noqa: E402
 
 
@@ -45,7 +46,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_new_bytes", type=int, default=256, help="most bytes to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely bytes; 0 = all (default 0)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass; 1 = all (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--n_loops",
+        type=int,
+        default=None,
+        help="Spider: core loops at generation (test-time depth; default: as trained)",
+    )
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole context for every byte (the reference)")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: cuda if available)"
     )
@@ -70,21 +79,38 @@ def main(argv: list[str] | None = None) -> None:
     """Load the export, sample, print the prompt and its continuation; a user error exits with one line."""
     args = parse_args(argv)
     try:
-        check_sampling(temperature=args.temperature, top_k=args.top_k, max_new_bytes=args.max_new_bytes)
+        check_sampling(
+            temperature=args.temperature, top_k=args.top_k, max_new_bytes=args.max_new_bytes, top_p=args.top_p
+        )
         device = resolve_device(args.device)
         prompt = read_prompt(args)
         model, config = load_model(Path(args.model), device=device, dtype=DTYPES[args.dtype])
+        trained_loops = config["model"]["args"].get("n_loops")
+        if args.n_loops is not None and trained_loops is None:
+            raise ValueError(f"--n_loops: the model {config['model']['name']!r} has no core loops")
+        t0 = time.perf_counter()
         out = generate(
             model,
             prompt,
             max_new_bytes=args.max_new_bytes,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             seed=args.seed,
             context_len=config["model"]["args"].get("max_seq_len"),
+            n_loops=args.n_loops,
+            use_cache=not args.no_cache,
         )
+        seconds = time.perf_counter() - t0
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"generate: error: {e}")
+    cached = not args.no_cache and uses_cache(model, len(prompt) + 1 + args.max_new_bytes)
+    loops = "" if trained_loops is None else f", n_loops {args.n_loops or trained_loops} (trained {trained_loops})"
+    print(
+        f"generate: {len(out)} bytes in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.0f} bytes/s, "
+        f"{'cached' if cached else 'recomputing the context'}{loops})",
+        file=sys.stderr,
+    )
     # bytes -> text for the terminal; invalid UTF-8 (in the prompt or drawn) shows as U+FFFD
     print((prompt + out).decode("utf-8", errors="replace"))
 

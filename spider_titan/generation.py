@@ -9,9 +9,10 @@ and the key or tensor, which ``scripts/generate.py`` prints as one line. Given a
 checkpoint folder or a ``step-<N>`` folder instead, it reads the model's weights straight from the DCP
 checkpoint (the newest complete one), for a quick look during training without an export.
 
-:func:`generate` recomputes the whole forward for every new byte. That is exact for every model in
-the registry (Spider's segmentation of the prefix can change as it grows) at O(T^2) cost, which
-is fine for the few hundred bytes of a sample. The choice of the next byte (:func:`sample_next`) is
+:func:`generate` / :func:`generate_batch` decode a Spider incrementally with its caches
+(models/spider/decode.py: one byte's work per byte, the same logits as the full forward); any other
+model, or a Spider option the decoder does not cover, recomputes the whole forward for every new
+byte (exact, at O(T^2) cost). The choice of the next byte (:func:`sample_next`) is
 greedy at ``temperature == 0``, else a softmax at ``temperature`` over the ``top_k`` best logits
 (all when 0). Only bytes and EOS can be drawn; EOS ends the sample.
 """
@@ -39,6 +40,8 @@ from spider_titan.checkpoint.export import (
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components import registry
 from spider_titan.components.builder import materialize
+from spider_titan.models.spider import Spider
+from spider_titan.models.spider.decode import decode, new_cache, unsupported
 from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
 
 # ids a sample can draw: the 256 bytes and EOS (the range of top_k)
@@ -46,7 +49,7 @@ DRAWABLE = 257
 REEXPORT = "re-export it with scripts/export_safetensors.py"
 
 
-def check_sampling(*, temperature: float, top_k: int, max_new_bytes: int) -> None:
+def check_sampling(*, temperature: float, top_k: int, max_new_bytes: int, top_p: float = 1.0) -> None:
     """ValueError naming the flag when a sampling setting is out of range (before any model is loaded)."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"--temperature {temperature}: must be a finite number >= 0 (0 = greedy)")
@@ -54,6 +57,8 @@ def check_sampling(*, temperature: float, top_k: int, max_new_bytes: int) -> Non
         raise ValueError(f"--top_k {top_k}: must be 0 (all) to {DRAWABLE} (the 256 bytes and EOS)")
     if max_new_bytes < 0:
         raise ValueError(f"--max_new_bytes {max_new_bytes}: must be >= 0")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"--top_p {top_p}: must be in (0, 1] (1 = all)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -160,7 +165,7 @@ def load_model(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The model of the export folder ``path`` in eval mode, and its config.json."""
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file() and path.is_dir():  # a run, its checkpoint folder or a step
+    if _is_checkpoint_folder(path):  # a run, its checkpoint folder or a step
         return _load_from_checkpoint(path, device=device, dtype=dtype)
     config, identity = _read_config(path)
     spec = registry.get("model", identity.name)
@@ -201,6 +206,19 @@ def load_model(
     return model.to(dtype).eval(), config
 
 
+def _is_checkpoint_folder(path: Path) -> bool:
+    """A run folder (with ``checkpoint/``), a checkpoint folder (with ``step-<N>/``) or a step folder,
+    and not an export (which has config.json, or lost it: then the export's own error is clearer)."""
+    if (path / CONFIG_FILE).is_file() or not path.is_dir():
+        return False
+    return (
+        (path / "checkpoint").is_dir()
+        or (path / ".metadata").is_file()
+        or (path / "meta.json").is_file()
+        or any(path.glob("step-*"))
+    )
+
+
 def _load_from_checkpoint(path: Path, *, device: torch.device | str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
     """The model of the newest complete checkpoint under ``path`` (a run folder, its ``checkpoint``
     folder or a ``step-<N>`` folder), and a config in the export's shape (``model``, ``step``)."""
@@ -215,7 +233,12 @@ def _load_from_checkpoint(path: Path, *, device: torch.device | str, dtype: torc
 
 
 def sample_next(
-    logits: torch.Tensor, *, temperature: float, top_k: int = 0, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> int:
     """The next id from one position's logits (VOCAB_SIZE,), restricted to bytes and EOS."""
     logits = logits.float().clone()
@@ -230,6 +253,10 @@ def sample_next(
         kth = torch.topk(logits, top_k).values[-1]
         logits[logits < kth] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:  # nucleus: the fewest most likely ids whose mass reaches top_p
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= top_p
+        probs = probs.index_fill(0, order[outside], 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -241,24 +268,91 @@ def generate(
     max_new_bytes: int = 256,
     temperature: float = 1.0,
     top_k: int = 0,
+    top_p: float = 1.0,
     seed: int = 0,
     context_len: int | None = None,
+    n_loops: int | None = None,
+    use_cache: bool = True,
 ) -> bytes:
-    """The bytes ``model`` writes after ``[BOS] + prompt`` (at most ``max_new_bytes``, EOS stops).
+    """The bytes ``model`` writes after ``[BOS] + prompt`` (at most ``max_new_bytes``, EOS stops)."""
+    return generate_batch(
+        model,
+        [prompt],
+        max_new_bytes=max_new_bytes,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        context_len=context_len,
+        n_loops=n_loops,
+        use_cache=use_cache,
+    )[0]
 
-    ``context_len`` keeps only the last that many ids as input (the model's max_seq_len).
-    """
-    check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=max_new_bytes)
+
+def uses_cache(model: nn.Module, longest: int) -> bool:
+    """Whether generation of ``longest`` ids in all can decode incrementally (models/spider/decode.py):
+    a Spider whose options the decoder covers, within its max_seq_len."""
+    return isinstance(model, Spider) and unsupported(model) is None and longest <= model.args.max_seq_len
+
+
+@torch.no_grad()
+def generate_batch(
+    model: nn.Module,
+    prompts: list[bytes],
+    *,
+    max_new_bytes: int = 256,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    context_len: int | None = None,
+    n_loops: int | None = None,
+    use_cache: bool = True,
+) -> list[bytes]:
+    """The continuation of each ``[BOS] + prompt`` (prompts of any lengths; EOS ends a row).
+
+    A Spider generates with its caches (``use_cache``, when the decoder covers it and the whole
+    sample fits ``max_seq_len``): each byte costs one byte's work. Otherwise every step recomputes
+    the context, keeping the last ``context_len`` ids. ``n_loops``: the core's loop count for
+    Spider (test-time depth; default: as trained). Sampling draws from one generator seeded by
+    ``seed``, rows in order, so a row's sample does not depend on the batch only when alone."""
+    check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=max_new_bytes, top_p=top_p)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    ids = [BOS_ID, *prompt]
-    out = bytearray()
-    for _ in range(max_new_bytes):
-        window = ids[-context_len:] if context_len else ids
-        logits = model(torch.tensor([window], device=device)).logits[0, -1]  # (VOCAB_SIZE,)
-        nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+    rows = [[BOS_ID, *p] for p in prompts]
+    outs = [bytearray() for _ in prompts]
+    done = [False] * len(prompts)
+    extra = {"n_loops": n_loops} if n_loops is not None and isinstance(model, Spider) else {}
+
+    def draw(i: int, logits: torch.Tensor) -> None:
+        nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if nxt == EOS_ID:
+            done[i] = True
+        else:
+            rows[i].append(nxt)
+            outs[i].append(nxt)
+
+    if use_cache and uses_cache(model, max(map(len, rows)) + max_new_bytes):
+        cache = new_cache(model, len(rows), n_loops=n_loops)
+        width = max(map(len, rows))
+        logits = decode(model, torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device), cache,
+                        lengths=[len(r) for r in rows])  # fmt: skip
+        last = [logits[i, len(r) - 1] for i, r in enumerate(rows)]
+        for _ in range(max_new_bytes):
+            for i in range(len(rows)):
+                if not done[i]:
+                    draw(i, last[i])
+            if all(done):
+                break
+            step = decode(model, torch.tensor([[r[-1]] for r in rows], device=device), cache,
+                          lengths=[0 if d else 1 for d in done])  # fmt: skip
+            last = [step[i, 0] for i in range(len(rows))]
+        return [bytes(o) for o in outs]
+    for _ in range(max_new_bytes):
+        for i, r in enumerate(rows):
+            if not done[i]:
+                window = r[-context_len:] if context_len else r
+                draw(i, model(torch.tensor([window], device=device), **extra).logits[0, -1])
+        if all(done):
             break
-        ids.append(nxt)
-        out.append(nxt)
-    return bytes(out)
+    return [bytes(o) for o in outs]

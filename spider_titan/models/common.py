@@ -61,8 +61,10 @@ class PreNormBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = SwiGLU(dim, inter_dim)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, cache=None) -> torch.Tensor:
+        """``cache``: the attention's key/value cache for incremental decoding (attentions that take one)."""
+        extra = {} if cache is None else {"cache": cache}
+        x = x + self.attention(self.attention_norm(x), freqs, **extra)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, init_std: float, out_std: float) -> None:

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.common import apply_rope, causal_sdpa
@@ -25,6 +26,19 @@ from spider_titan.models.spider.args import SpiderArgs
 
 # x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
 Adapter = Callable[[torch.Tensor], torch.Tensor]
+
+
+class KVCache:
+    """The keys and values one attention layer has seen, (B, positions, H, ...), grown by ``extend``."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
 
 
 class MLA(nn.Module):
@@ -73,7 +87,10 @@ class MLA(nn.Module):
         freqs: torch.Tensor,
         q_adapter: Adapter | None = None,
         o_adapter: Adapter | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """``cache`` (incremental decoding, decode.py): x holds only new positions (``freqs`` theirs);
+        their keys and values are appended to the cache and the queries attend to everything in it."""
         b, t, _ = x.shape
         h = self.n_heads
         q = self.wq(x)
@@ -90,7 +107,15 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, t, h, self.qk_rope_head_dim)], dim=-1)  # (B, T, H, qk)
 
-        out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)  # (B, H, T, v)
+        if cache is None:
+            out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)  # (B, H, T, v)
+        else:
+            k, v = cache.extend(k, v)  # (B, past + T, H, ...)
+            past = k.shape[1] - t
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
+            )
         out = out.transpose(1, 2).reshape(b, t, h * self.v_head_dim)
         y = self.wo(out)
         if o_adapter is not None:

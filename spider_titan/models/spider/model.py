@@ -131,9 +131,10 @@ class ByteStack(nn.Module):
 
         self.layers = nn.ModuleList(block() for _ in range(n_layers))
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        for block in self.layers:
-            x = block(x, freqs)
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, caches: list | None = None) -> torch.Tensor:
+        """``caches``: one ``KVCache`` per block (incremental decoding, decode.py)."""
+        for i, block in enumerate(self.layers):
+            x = block(x, freqs) if caches is None else block(x, freqs, caches[i])
         return x
 
 

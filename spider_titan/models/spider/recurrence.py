@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.spider.args import SpiderArgs
-from spider_titan.models.spider.attention import MLA
+from spider_titan.models.spider.attention import MLA, KVCache
 from spider_titan.models.spider.engram import Engram
 from spider_titan.models.spider.segmentation import keyed_uniform
 from spider_titan.moe.layer import MoE
@@ -172,6 +172,7 @@ class CoreBlock(nn.Module):
         freqs: torch.Tensor,
         bucket_ids: torch.Tensor,
         seg_mask: torch.Tensor,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lora = self.lora
         h = h + self.attention(
@@ -179,6 +180,7 @@ class CoreBlock(nn.Module):
             freqs,
             q_adapter=None if lora is None else (lambda x: lora.q_delta(x, loop)),
             o_adapter=None if lora is None else (lambda x: lora.o_delta(x, loop)),
+            cache=cache,
         )
         if self.engram is not None:
             h = h + self.engram(h, bucket_ids)
@@ -282,6 +284,7 @@ class RecurrentCore(nn.Module):
         early_exit: bool,
         backprop_loops: int = 0,
         init_keys: torch.Tensor | None = None,
+        caches: list[list[KVCache]] | None = None,
     ) -> CoreOutput:
         """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
         under no_grad (truncated backprop, module docstring item 6). ``init_keys`` (B,) int64: with
@@ -314,8 +317,11 @@ class RecurrentCore(nn.Module):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
                 for t, dim in ((h, 1), (freqs, 0), (bucket_ids, 1), (seg_real, 1)):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-                for block in self.layers:
-                    h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real)
+                for j, block in enumerate(self.layers):
+                    if caches is None:
+                        h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real)
+                    else:  # incremental decoding (decode.py): loop i's keys and values of block j
+                        h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, caches[i][j])
                     if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph
                         aux_sum = aux_sum + aux
                     counts = counts + cnt

@@ -129,13 +129,20 @@ class BoundaryPredictor(nn.Module):
         self.threshold = nn.Parameter(torch.empty(1)) if standardize else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.raw_score(h))
+
+    def raw_score(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, dim) -> r (B, T) fp32; r_t reads h_t and h_{t-1} only (incremental decoding feeds
+        the last two positions)."""
         if self.kind == "mlp":
-            r = self.out(F.gelu(self.proj(h))).squeeze(-1).float()
-        else:
-            q = self.q_proj(h).float()
-            k = F.pad(self.k_proj(h).float()[:, :-1], (0, 0, 1, 0))  # (B, T, dim), k_{t-1}
-            p = ((1.0 - F.cosine_similarity(q, k, dim=-1, eps=1e-6)) / 2.0).clamp(1e-6, 1.0 - 1e-6)
-            r = torch.log(p) - torch.log1p(-p)
+            return self.out(F.gelu(self.proj(h))).squeeze(-1).float()
+        q = self.q_proj(h).float()
+        k = F.pad(self.k_proj(h).float()[:, :-1], (0, 0, 1, 0))  # (B, T, dim), k_{t-1}
+        p = ((1.0 - F.cosine_similarity(q, k, dim=-1, eps=1e-6)) / 2.0).clamp(1e-6, 1.0 - 1e-6)
+        return torch.log(p) - torch.log1p(-p)
+
+    def logits(self, r: torch.Tensor) -> torch.Tensor:
+        """Raw scores of a whole row prefix (B, T) -> the logits (standardised when configured)."""
         if self.threshold is None:
             return r
         return self.sharpness * (causal_standardize(r) - self.threshold)
