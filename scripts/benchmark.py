@@ -370,6 +370,52 @@ def comm(args: argparse.Namespace) -> dict:
     return benchmark_comm(args)
 
 
+@scenario("generate")
+def generate_speed(args: argparse.Namespace) -> dict:
+    """Sampling speed of the debug Spider (random weights, fp32, max_seq_len 8192), cached
+    (models/spider/decode.py) vs recomputing the context every byte, at several context lengths
+    (``--tokens``, default 256,1024,4096): bytes/s of each and their ratio, in one process. The
+    context is filled first (untimed); then ``new`` bytes are timed, greedy."""
+    import dataclasses
+
+    from spider_titan.generation import sample_next
+    from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+    from spider_titan.models.spider.decode import decode, new_cache
+
+    contexts = [int(t) for t in (args.tokens if args.tokens != "512" else "256,1024,4096").split(",")]
+    torch.manual_seed(0)
+    model = Spider(dataclasses.replace(SPIDER_FLAVORS["debug"], max_seq_len=max(contexts) + 256))
+    model.init_weights()
+    model.eval()
+    text = (Path(__file__).resolve().read_bytes() * 8)[: max(contexts)]
+    results = {}
+    with torch.no_grad():
+        for ctx in contexts:
+            ids = [257, *text[: ctx - 1]]
+            cache = new_cache(model, 1)
+            last = decode(model, torch.tensor([ids]), cache)[0, -1]
+            new = 64
+            t0 = time.perf_counter()
+            for _ in range(new):
+                nxt = sample_next(last, temperature=0)
+                last = decode(model, torch.tensor([[nxt]]), cache)[0, -1]
+            cached = new / (time.perf_counter() - t0)
+            steps = max(2, min(16, 16384 // ctx))
+            window = list(ids)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                logits = model(torch.tensor([window])).logits[0, -1]
+                window.append(sample_next(logits, temperature=0))
+            recompute = steps / (time.perf_counter() - t0)
+            results[str(ctx)] = {
+                "cached_bytes_per_s": round(cached, 1),
+                "recompute_bytes_per_s": round(recompute, 2),
+                "ratio": round(cached / recompute, 1),
+                "timed_bytes": {"cached": new, "recompute": steps},
+            }
+    return {"model": "spider debug, random weights, fp32, 1 row", "contexts": results}
+
+
 @scenario("ep_capacity")
 def ep_capacity(args: argparse.Namespace) -> dict:
     """Expert-parallel all-to-all bytes and dropped pairs: dynamic vs fixed-capacity dispatch at several

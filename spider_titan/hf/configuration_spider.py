@@ -17,6 +17,6 @@ class SpiderConfig(PretrainedConfig):
         kwargs.setdefault("bos_token_id", BOS_ID)
         kwargs.setdefault("eos_token_id", EOS_ID)
         kwargs.setdefault("pad_token_id", PAD_ID)
-        # No transformers key/value cache: the model recomputes the context (modeling_spider.py).
-        kwargs.setdefault("use_cache", False)
+        # generate() decodes with Spider's own cache (decode.py), handed around as past_key_values
+        kwargs.setdefault("use_cache", True)
         super().__init__(**kwargs)

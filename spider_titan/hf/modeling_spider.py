@@ -2,8 +2,8 @@
 
 The Spider module itself is ``self.model`` (``base_model_prefix``), so the export's tensor names
 (Spider's own FQNs) load as they are. ``forward`` returns the logits of every position (fp32 in
-the model's dtype) and, with labels, the mean next-byte loss. Generation recomputes the whole
-context each step (no key/value cache yet), so ``generate`` is correct but slow on long outputs.
+the model's dtype) and, with labels, the mean next-byte loss. ``generate`` decodes with Spider's own
+cache (models/spider/decode.py) through ``past_key_values``: one byte's work per new byte.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import dataclasses
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from spider_titan.hf.configuration_spider import SpiderConfig
 from spider_titan.models.spider.args import SpiderArgs
+from spider_titan.models.spider.decode import SpiderCache, decode, new_cache, unsupported
 from spider_titan.models.spider.model import Spider
 from spider_titan.protocol import lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
@@ -35,7 +36,6 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = SpiderConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _supports_cache_class = False
 
     def __init__(self, config: SpiderConfig):
         super().__init__(config)
@@ -46,15 +46,32 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         if module is self.model:  # Spider initialises itself (models/spider/model.py init_weights)
             module.init_weights()
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # Spider's state is its own SpiderCache (decode.py), not per-layer keys and values
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        past_key_values: SpiderCache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutput:
-        """Logits (B, T, vocab) for ``input_ids``; positions the mask zeroes become PAD bytes, which
-        Spider keeps out of its segments' statistics (a left-padded batch is read as such)."""
+    ) -> CausalLMOutputWithPast:
+        """Logits (B, T, vocab) for ``input_ids``. With ``use_cache`` (and no padding in the mask) the
+        bytes go through Spider's incremental decoder (decode.py) and the cache comes back as
+        ``past_key_values``: the next call passes only the new bytes. Positions the mask zeroes
+        become PAD bytes, which Spider keeps out of its segments' statistics."""
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if (
+            (use_cache or past_key_values is not None)
+            and not padded
+            and labels is None
+            and unsupported(self.model) is None
+        ):
+            cache = past_key_values if past_key_values is not None else new_cache(self.model, input_ids.shape[0])
+            return CausalLMOutputWithPast(logits=decode(self.model, input_ids, cache), past_key_values=cache)
         if attention_mask is not None:
             input_ids = input_ids.masked_fill(attention_mask == 0, PAD_ID)
         logits = self.model(input_ids).logits
@@ -62,11 +79,12 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             shifted = labels[:, 1:].masked_fill(labels[:, 1:] == PAD_ID, IGNORE_INDEX)
             loss = lm_loss_mean(logits[:, :-1], shifted)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # Spider's state is not per-layer keys and values; generate() passes no cache
-
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> dict:
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None, use_cache=None, **kwargs
+    ) -> dict:
+        if isinstance(past_key_values, SpiderCache):  # feed what the cache has not seen
+            seen = past_key_values.length[0]
+            return {"input_ids": input_ids[:, seen:], "past_key_values": past_key_values, "use_cache": True}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": use_cache}

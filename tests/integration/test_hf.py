@@ -67,6 +67,12 @@ def test_auto_classes_load_the_export_and_match_spider_titan(export, monkeypatch
         for _ in range(12):
             ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
     assert out[0].tolist()[: len(ids)] == ids
+    # with Spider's cache (the default) and without it, generate() writes the same bytes
+    torch.manual_seed(7)
+    cached = model.generate(prompt, max_new_tokens=24, do_sample=True, top_k=40)
+    torch.manual_seed(7)
+    plain = model.generate(prompt, max_new_tokens=24, do_sample=True, top_k=40, use_cache=False)
+    assert cached.tolist() == plain.tolist()
 
 
 def test_the_export_holds_the_packages_own_sources(export):

@@ -39,9 +39,11 @@ def _row(n: int, seed: int) -> list[int]:
     return [BOS_ID] + [b if i % 7 else c for i, (b, c) in enumerate(zip(body, noise))]
 
 
-@pytest.mark.parametrize("predictor", ["cosine", "fixed", "space"])
-@pytest.mark.parametrize("n_loops", [1, 3])
+@pytest.mark.parametrize(
+    "predictor, n_loops", [("cosine", 1), ("cosine", 3), ("fixed", 2), ("space", 2)], ids=lambda v: str(v)
+)
 def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops):
+    """A 520-byte row (an 8-byte prompt, then 512 bytes): every position's logits."""
     model = _model(boundary_predictor=predictor)
     ids = torch.tensor([_row(520, 1)])
     with torch.no_grad():
