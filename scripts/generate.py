@@ -56,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context for every byte (the reference)")
     p.add_argument(
+        "--report",
+        action="store_true",
+        help="one line on stderr: bytes, speed, cached or not, loops (on with --n_loops)",
+    )
+    p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: cuda if available)"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
@@ -106,11 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"generate: error: {e}")
     cached = not args.no_cache and uses_cache(model, len(prompt) + 1 + args.max_new_bytes)
     loops = "" if trained_loops is None else f", n_loops {args.n_loops or trained_loops} (trained {trained_loops})"
-    print(
-        f"generate: {len(out)} bytes in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.0f} bytes/s, "
-        f"{'cached' if cached else 'recomputing the context'}{loops})",
-        file=sys.stderr,
-    )
+    if args.report or args.n_loops is not None:
+        print(
+            f"generate: {len(out)} bytes in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.0f} bytes/s, "
+            f"{'cached' if cached else 'recomputing the context'}{loops})",
+            file=sys.stderr,
+        )
     # bytes -> text for the terminal; invalid UTF-8 (in the prompt or drawn) shows as U+FFFD
     print((prompt + out).decode("utf-8", errors="replace"))
 

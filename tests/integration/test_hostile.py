@@ -953,8 +953,7 @@ def test_generate_takes_any_prompt_bytes(export_dir, tmp_path, in_process, capsy
         timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    report = by_arg.stderr.decode().splitlines()  # one line: bytes, speed, cached or not, loops
-    assert by_arg.returncode == 0 and len(report) == 1 and report[0].startswith("generate: 6 bytes"), report
+    assert by_arg.returncode == 0 and by_arg.stderr == b"", by_arg.stderr
     shown = by_arg.stdout.decode("utf-8")
     assert shown.startswith("caf\ufffd \ufffdx")
     (tmp_path / "prompt.bin").write_bytes(prompt)
