@@ -60,8 +60,18 @@ RUNS = [
     Run(
         "spider_sampled_loops",
         SPIDER_CONFIG,
-        ("--model.loop_sampling", "poisson_lognormal", "--model.backprop_loops", "1"),
-        "loop count sampled per step (Poisson-lognormal, mean n_loops), backprop through the last loop only",
+        (
+            "--model.loop_sampling",
+            "poisson_lognormal",
+            "--model.backprop_loops",
+            "1",
+            "--model.loop_lora",
+            "false",
+            "--model.loop_init_std",
+            "0.5",
+        ),
+        "Geiping et al.'s recipe: loops sampled per step (Poisson-lognormal, mean n_loops), backprop through "
+        "the last loop, random initial state, no per-loop LoRA",
     ),
     Run("spider_byte_dim64", SPIDER_CONFIG, ("--model.byte_dim", "64"), "byte-level parts at width 64, core at 128"),
     Run(
