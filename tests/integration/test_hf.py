@@ -120,6 +120,10 @@ def test_lm_eval_rolling_bits_per_byte_equal_spider_titans(export, tmp_path, mon
 
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(key, "1")
+    # a single process: launcher variables an earlier test left behind would make accelerate
+    # (inside lm-eval's hf model) try to join a process group
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
