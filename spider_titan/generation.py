@@ -260,33 +260,10 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    prompt: bytes,
-    *,
-    max_new_bytes: int = 256,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    context_len: int | None = None,
-    n_loops: int | None = None,
-    use_cache: bool = True,
-) -> bytes:
-    """The bytes ``model`` writes after ``[BOS] + prompt`` (at most ``max_new_bytes``, EOS stops)."""
-    return generate_batch(
-        model,
-        [prompt],
-        max_new_bytes=max_new_bytes,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        context_len=context_len,
-        n_loops=n_loops,
-        use_cache=use_cache,
-    )[0]
+def generate(model: nn.Module, prompt: bytes, **sampling) -> bytes:
+    """The bytes ``model`` writes after ``[BOS] + prompt`` (at most ``max_new_bytes``, EOS stops);
+    ``sampling`` are :func:`generate_batch`'s keywords."""
+    return generate_batch(model, [prompt], **sampling)[0]
 
 
 def uses_cache(model: nn.Module, longest: int) -> bool:
