@@ -45,6 +45,28 @@ class Run:
     what: str
 
 
+STAGE_LR = ("--optimizer.lr_multipliers", '["*=2", "core=1"]')
+# H-Net's chunking path, element by element: name -> (overrides, what)
+HNET = {
+    "confidence": (("--model.boundary_confidence", "true"), "confidence-weighted STE (LM gradient to the router)"),
+    "smoothing": (("--model.dechunk_smoothing", "true"), "EMA smoothing in the dechunk"),
+    "first": (("--model.chunk_convention", "first"), "chunk convention: first byte, own-chunk upsample"),
+    "ratio003": (("--model.boundary_coeff", "0.03"), "ratio-loss weight 0.03"),
+    "stage_init": (("--model.stage_init", "true"), "stage-aware init"),
+    "stage_lr": (STAGE_LR, "per-stage learning rates: byte stages 2x"),
+}
+HNET_ALL = tuple(o for overrides, _ in HNET.values() for o in overrides)
+SAMPLED_LOOPS = (
+    "--model.loop_sampling",
+    "poisson_lognormal",
+    "--model.backprop_loops",
+    "1",
+    "--model.loop_lora",
+    "false",
+    "--model.loop_init_std",
+    "0.5",
+)
+
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
     Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
@@ -60,16 +82,7 @@ RUNS = [
     Run(
         "spider_sampled_loops",
         SPIDER_CONFIG,
-        (
-            "--model.loop_sampling",
-            "poisson_lognormal",
-            "--model.backprop_loops",
-            "1",
-            "--model.loop_lora",
-            "false",
-            "--model.loop_init_std",
-            "0.5",
-        ),
+        SAMPLED_LOOPS,
         "Geiping et al.'s recipe: loops sampled per step (Poisson-lognormal, mean n_loops), backprop through "
         "the last loop, random initial state, no per-loop LoRA",
     ),
@@ -99,83 +112,31 @@ RUNS = [
         ),
         "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT",
     ),
-    # H-Net's chunking path (issue 21), each element alone, then all together
-    Run(
-        "spider_hnet_confidence",
-        SPIDER_CONFIG,
-        ("--model.boundary_confidence", "true"),
-        "H-Net confidence-weighted STE (LM gradient to the router)",
-    ),
-    Run(
-        "spider_hnet_smoothing",
-        SPIDER_CONFIG,
-        ("--model.dechunk_smoothing", "true"),
-        "H-Net EMA smoothing in the dechunk",
-    ),
-    Run(
-        "spider_hnet_first",
-        SPIDER_CONFIG,
-        ("--model.chunk_convention", "first"),
-        "H-Net chunk convention: first byte, own-chunk upsample",
-    ),
-    Run("spider_hnet_ratio003", SPIDER_CONFIG, ("--model.boundary_coeff", "0.03"), "H-Net ratio-loss weight 0.03"),
-    Run("spider_hnet_stage_init", SPIDER_CONFIG, ("--model.stage_init", "true"), "H-Net stage-aware init"),
-    Run(
-        "spider_hnet_stage_lr",
-        SPIDER_CONFIG,
-        ("--optimizer.lr_multipliers", '["*=2", "core=1"]'),
-        "H-Net per-stage learning rates: byte stages 2x",
-    ),
-    Run(
-        "spider_hnet_all",
-        SPIDER_CONFIG,
-        (
-            "--model.boundary_confidence",
-            "true",
-            "--model.dechunk_smoothing",
-            "true",
-            "--model.chunk_convention",
-            "first",
-            "--model.boundary_coeff",
-            "0.03",
-            "--model.stage_init",
-            "true",
-            "--optimizer.lr_multipliers",
-            '["*=2", "core=1"]',
-        ),
-        "H-Net's whole chunking path",
-    ),
     Run(
         "spider_fixed_stage_lr",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", "--optimizer.lr_multipliers", '["*=2", "core=1"]'),
+        ("--model.boundary_predictor", "fixed", *STAGE_LR),
         "fixed 4-byte segments with H-Net's per-stage learning rates (the baseline for spider_hnet_all)",
+    ),
+    # H-Net's chunking path (issue 21): each element alone, all together, all but one
+    *(
+        Run(f"spider_hnet_{name}", SPIDER_CONFIG, overrides, f"H-Net {what}")
+        for name, (overrides, what) in HNET.items()
+    ),
+    Run("spider_hnet_all", SPIDER_CONFIG, HNET_ALL, "H-Net's whole chunking path"),
+    *(
+        Run(
+            f"spider_hnet_all_minus_{name}",
+            SPIDER_CONFIG,
+            tuple(o for other, (overrides, _) in HNET.items() if other != name for o in overrides),
+            f"H-Net's chunking path without: {what}",
+        )
+        for name, (_, what) in HNET.items()
     ),
     Run(
         "spider_hnet_all_sampled",
         SPIDER_CONFIG,
-        (
-            "--model.boundary_confidence",
-            "true",
-            "--model.dechunk_smoothing",
-            "true",
-            "--model.chunk_convention",
-            "first",
-            "--model.boundary_coeff",
-            "0.03",
-            "--model.stage_init",
-            "true",
-            "--optimizer.lr_multipliers",
-            '["*=2", "core=1"]',
-            "--model.loop_sampling",
-            "poisson_lognormal",
-            "--model.backprop_loops",
-            "1",
-            "--model.loop_lora",
-            "false",
-            "--model.loop_init_std",
-            "0.5",
-        ),
+        HNET_ALL + SAMPLED_LOOPS,
         "H-Net's whole chunking path with Geiping et al.'s sampled loops (spider_hnet_all + spider_sampled_loops)",
     ),
     Run(
@@ -375,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.list:
         for r in RUNS:
-            print(f"{r.name:24} {r.what}  {' '.join(r.overrides)}")
+            print(f"{r.name:34} {r.what}  {' '.join(r.overrides)}")
         return
     by_name = {r.name: r for r in RUNS}
     unknown = [n for n in args.runs.split(",") if n not in by_name]
