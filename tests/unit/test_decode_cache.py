@@ -39,12 +39,25 @@ def _row(n: int, seed: int) -> list[int]:
     return [BOS_ID] + [b if i % 7 else c for i, (b, c) in enumerate(zip(body, noise))]
 
 
+HNET_PATH = dict(chunk_convention="first", dechunk_smoothing=True, boundary_confidence=True)
+
+
 @pytest.mark.parametrize(
-    "predictor, n_loops", [("cosine", 1), ("cosine", 3), ("fixed", 2), ("space", 2)], ids=lambda v: str(v)
+    "predictor, n_loops, options",
+    [
+        ("cosine", 1, {}),
+        ("cosine", 3, {}),
+        ("fixed", 2, {}),
+        ("space", 2, {}),
+        ("cosine", 2, HNET_PATH),
+        ("space", 2, dict(chunk_convention="first")),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "mean" if isinstance(v, dict) else str(v),
 )
-def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops):
-    """A 520-byte row (an 8-byte prompt, then 512 bytes): every position's logits."""
-    model = _model(boundary_predictor=predictor)
+def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops, options):
+    """A 520-byte row (an 8-byte prompt, then 512 bytes): every position's logits, with our segment
+    convention and with H-Net's (chunk-start convention, dechunk smoothing)."""
+    model = _model(boundary_predictor=predictor, **options)
     ids = torch.tensor([_row(520, 1)])
     with torch.no_grad():
         full = model(ids, n_loops=n_loops).logits

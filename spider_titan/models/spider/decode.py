@@ -12,16 +12,21 @@ tests/unit/test_decode_cache.py) and runs the model's own modules and functions,
   training over the row so far. A boundary after byte t-1 is final once byte t is known (the
   forced boundaries look one byte ahead: before BOS, around PAD runs), so a segment is handed to
   the core when the byte after it arrives;
-* the core: a key/value cache per (loop, block), fed one closed segment at a time (its mean of the
+* the core: a key/value cache per (loop, block), fed one segment at a time (its mean of the
   prelude states, ``downsample``, and its Engram ids, ``engram_bucket_ids``, over the row so far);
-  ``up_proj`` of the newest closed segment is what the next bytes read (byte t reads the segment
-  that ended before its own began);
+  ``up_proj`` of the newest segment handed over is what the next bytes read (byte t reads the
+  segment that ended before its own began);
+* H-Net's chunk-start convention (``chunk_convention = "first"``): a segment is its first byte's
+  state and its bytes read its own output, so a segment goes to the core as soon as its first byte
+  is known to open it (the boundary after the byte before is final), with the Engram ids of the
+  segment before it, as in the full forward;
+* H-Net's dechunk smoothing (``dechunk_smoothing``): the EMA over the segments' outputs is carried
+  from one segment to the next (``P_k`` from ``segment_start_probs``);
 * per-row state: rows may hold different lengths, so each row has its own caches and a batch is
   decoded row by row (the per-byte work is small matrices either way on a CPU).
 
-``n_loops`` (test-time depth) is fixed per cache. Options whose decoding is not written here
-(ACT halting, H-Net's chunk-start convention and dechunk smoothing) raise ValueError; generation
-then falls back to recomputing the context (generation.py).
+``n_loops`` (test-time depth) is fixed per cache. ACT halting is not decoded here (``new_cache``
+raises ValueError); generation then falls back to recomputing the context (generation.py).
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from spider_titan.models.common import rope_frequencies
 from spider_titan.models.spider.attention import KVCache
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.models.spider.model import Spider
-from spider_titan.models.spider.segmentation import downsample, segment_bytes, space_boundary_logits
+from spider_titan.models.spider.segmentation import (
+    downsample,
+    downsample_first,
+    segment_bytes,
+    segment_start_probs,
+    space_boundary_logits,
+)
 
 
 def unsupported(model: Spider) -> str | None:
@@ -42,10 +53,6 @@ def unsupported(model: Spider) -> str | None:
     a = model.args
     if a.halting != "none":
         return "halting = 'act'"
-    if a.chunk_convention != "mean":
-        return f"chunk_convention = {a.chunk_convention!r}"
-    if a.dechunk_smoothing:
-        return "dechunk_smoothing = true"
     return None
 
 
@@ -60,7 +67,7 @@ class RowCache:
     states: list[torch.Tensor] = field(default_factory=list)  # prelude outputs, (1, 1, width) each
     scores: list[torch.Tensor] = field(default_factory=list)  # raw boundary scores, (1, 1) each
     closed: int = 0  # segments handed to the core
-    context: torch.Tensor | None = None  # up_proj of the newest closed segment, (1, 1, width)
+    context: torch.Tensor | None = None  # up_proj of the newest segment handed over (smoothed), (1, 1, width)
 
 
 @dataclass
@@ -140,26 +147,35 @@ def _boundary_logits(model: Spider, row: RowCache, ids: torch.Tensor) -> tuple[t
             1, min(a.max_segment_bytes, round(a.target_bytes_per_segment))
         )
     if a.boundary_predictor == "space":
-        return space_boundary_logits(ids, chunk_start=False), a.max_segment_bytes
+        return space_boundary_logits(ids, chunk_start=a.chunk_convention == "first"), a.max_segment_bytes
     last_two = torch.cat(row.states[-2:], dim=1)  # h_{t-1}, h_t
     row.scores.append(model.boundary_predictor.raw_score(last_two)[:, -1:])
     return model.boundary_predictor.logits(torch.cat(row.scores, dim=1)), a.max_segment_bytes
 
 
 def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch.Tensor) -> None:
-    """Hand the core every segment that is now final (ended before the newest byte)."""
+    """Hand the core every segment that is now final: under the mean convention those that ended
+    before the newest byte, under ``first`` also the one the newest byte opens."""
     a = model.args
+    first = a.chunk_convention == "first"
     logits, cap = _boundary_logits(model, row, ids)
     T = ids.shape[1]
-    if T < 2:
+    if T < 2 and not first:
         return
-    seg = segment_bytes(logits, ids, training=False, temperature=a.boundary_temperature, max_segment_bytes=cap)
+    seg = segment_bytes(
+        logits, ids, training=False, temperature=a.boundary_temperature, max_segment_bytes=cap, chunk_start=first
+    )
     final = int((seg.ends[0, : seg.num_segments] <= T - 2).sum())  # segments that ended before byte T-1
+    if first:
+        final += 1  # the segment byte T-1 belongs to starts at or before it: its first byte is known
     if final <= row.closed:
         return
     states = torch.cat(row.states, dim=1)  # (1, T, width)
-    pooled = downsample(states, seg)  # (1, S, width)
+    pooled = downsample_first(states, seg) if first else downsample(states, seg)  # (1, S, width)
     buckets = engram_bucket_ids(ids, seg, a.engram_buckets, a.max_segment_bytes)  # (1, S, 2)
+    if first:  # chunk k hashes chunk k - 1, the last complete one (Spider.forward)
+        buckets = torch.nn.functional.pad(buckets[:, :-1], (0, 0, 1, 0))
+    start_probs = segment_start_probs(seg).float().clamp(1e-4, 1.0 - 1e-4) if a.dechunk_smoothing else None
     ones = torch.ones(1, 1, dtype=torch.bool, device=ids.device)
     for k in range(row.closed, final):
         out = model.core(
@@ -172,5 +188,10 @@ def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch
             early_exit=False,
             caches=row.core,
         )
-        row.context = model.up_proj(out.output)
+        y = model.up_proj(out.output)
+        if start_probs is not None:  # smooth_segments, one step: out_k = P_k y_k + (1 - P_k) out_{k-1}
+            p = start_probs[0, k]
+            prev = torch.zeros_like(y, dtype=torch.float32) if row.context is None else row.context.float()
+            y = (p * y.float() + (1.0 - p) * prev).to(y.dtype)
+        row.context = y
     row.closed = final
