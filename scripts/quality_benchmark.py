@@ -66,6 +66,8 @@ SAMPLED_LOOPS = (
     "--model.loop_init_std",
     "0.5",
 )
+# ... and no loop embedding: every loop the same map (time-invariant), as in Geiping et al.
+INVARIANT_LOOPS = (*SAMPLED_LOOPS, "--model.loop_embedding", "false")
 
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
@@ -138,6 +140,18 @@ RUNS = [
         SPIDER_CONFIG,
         HNET_ALL + SAMPLED_LOOPS,
         "H-Net's whole chunking path with Geiping et al.'s sampled loops (spider_hnet_all + spider_sampled_loops)",
+    ),
+    Run(
+        "spider_fixed_stage_lr_invariant_loops",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_LOOPS),
+        "spider_fixed_stage_lr with sampled, time-invariant loops (no per-loop LoRA or loop embedding)",
+    ),
+    Run(
+        "spider_hnet_all_invariant_loops",
+        SPIDER_CONFIG,
+        HNET_ALL + INVARIANT_LOOPS,
+        "spider_hnet_all with sampled, time-invariant loops (no per-loop LoRA or loop embedding)",
     ),
     Run(
         "spider_space_segments",

@@ -94,6 +94,11 @@ class SpiderArgs:
     loop_lora: bool = True
     """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their
     weights exactly; an ablation)."""
+    loop_embedding: bool = True
+    """A learned vector added to the state at the start of each loop (one per loop index). False:
+    none, so with ``loop_lora = false`` every loop applies the same map to the state (time-invariant,
+    as in Geiping et al. 2025): a loop past the trained ones is the map the model was trained to
+    iterate, not one with untrained loop-specific parameters."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = 4.0

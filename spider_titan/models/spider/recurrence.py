@@ -8,7 +8,7 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
 1. LTI injection ``h = a * h + inject(s)`` (``inject``: byte_dim -> dim, the projection into the core) with ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim,
    a stable learnable diagonal; ``inject(s)`` is computed once and reused by every loop.
    ``decay_lambda`` starts at 0, i.e. ``a = 1/2``: each loop keeps half of the previous state.
-2. ``h = h + loop_embedding[i]`` (zero-initialised).
+2. ``h = h + loop_embedding[i]`` (zero-initialised; none with ``loop_embedding = false``).
 3. Each core block j: ``h += attn(attention_norm(h))`` (MLA, causal over segments, RoPE by segment
    index, loop i's LoRA on ``wq``/``wo`` unless ``loop_lora = false``); Engram at the blocks in ``engram_layers``
    (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
@@ -264,7 +264,7 @@ class RecurrentCore(nn.Module):
         self.layers = nn.ModuleList(CoreBlock(args, j) for j in range(args.n_core))
         self.inject = nn.Linear(args.byte_width, args.dim, bias=False)  # also the byte_dim -> dim projection
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
-        self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
+        self.loop_embedding = nn.Embedding(args.max_loops, args.dim) if args.loop_embedding else None
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.halt_predictor = nn.Linear(args.dim, 1) if args.halting == "act" else None
         # ACT's ponder loss is a mean over the real segments of the global micro-batch when a
@@ -294,7 +294,7 @@ class RecurrentCore(nn.Module):
         first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
         injected = self.inject(s)  # (B, S, dim), the same every loop
         decay = torch.exp(-F.softplus(self.decay_lambda.float())).to(s.dtype)  # (dim,) in (0, 1)
-        loop_emb = self.loop_embedding.weight
+        loop_emb = None if self.loop_embedding is None else self.loop_embedding.weight
 
         act = HaltingState.start(B, S, s.device)
         out = s.new_zeros(B, S, self.args.dim, dtype=torch.float32)
@@ -310,7 +310,8 @@ class RecurrentCore(nn.Module):
                     h = decay * h + injected
                 elif h0 is not None:
                     h = decay * h0.to(s.dtype) + injected
-                h = h + loop_emb[i].to(h.dtype)
+                if loop_emb is not None:
+                    h = h + loop_emb[i].to(h.dtype)
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count S as a symbol, so one graph serves every loop and every batch
                 # instead of a recompile per loop index and per new S.
@@ -369,7 +370,8 @@ class RecurrentCore(nn.Module):
             block.init_weights(init_std, out_std)
         nn.init.trunc_normal_(self.inject.weight, std=init_std)
         nn.init.zeros_(self.decay_lambda)  # a = exp(-softplus(0)) = 1/2
-        nn.init.zeros_(self.loop_embedding.weight)
+        if self.loop_embedding is not None:
+            nn.init.zeros_(self.loop_embedding.weight)
         self.norm.reset_parameters()
         if self.halt_predictor is not None:
             nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
