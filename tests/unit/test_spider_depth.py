@@ -59,16 +59,40 @@ def reference_core(core, s, freqs, bucket_ids, seg_real, n_loops: int, k: int) -
     decay = torch.exp(-F.softplus(core.decay_lambda.float()))
     h, aux = None, []
     for i in range(n_loops):
-        if i == n_loops - k:
+        if i == n_loops - k and h is not None:
             h = h.detach()
         h = injected if i == 0 else decay * h + injected
-        h = h + core.loop_embedding.weight[i]
+        if core.loop_embedding is not None:
+            h = h + core.loop_embedding.weight[i]
         loop = torch.tensor(i)
         for block in core.layers:
             h, block_aux, _ = block(h, loop, freqs, bucket_ids, seg_real)
             if i >= n_loops - k:
                 aux.append(block_aux)
     return core.norm(h), torch.stack(aux).mean()
+
+
+def test_time_invariant_loops_iterate_one_map():
+    """loop_embedding = false with loop_lora = false: no loop-specific parameter exists and the core
+    at 5 loops is the hand reference without loop embeddings (the same map each loop); with a
+    (non-zero) loop embedding it differs (negative control)."""
+    model = build(n_loops=2, max_loops=5, loop_embedding=False, loop_lora=False).eval()
+    assert not [n for n, _ in model.named_parameters() if "loop_embedding" in n or "lora" in n]
+    core = model.core
+    s, freqs, bucket_ids, seg_real, _ = core_inputs(model)
+    with torch.no_grad():
+        out = core(
+            s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real, seg_valid=seg_real, early_exit=False
+        )
+        want, _ = reference_core(core, s, freqs, bucket_ids, seg_real, 5, 5)
+        torch.testing.assert_close(out.output, want, rtol=1e-5, atol=1e-6)
+        other = build(n_loops=2, max_loops=5, loop_lora=False).eval()
+        other.load_state_dict(model.state_dict(), strict=False)
+        torch.nn.init.normal_(other.core.loop_embedding.weight, std=0.1)
+        control = other.core(
+            s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real, seg_valid=seg_real, early_exit=False
+        )
+    assert not torch.allclose(control.output, want, atol=1e-3)
 
 
 @pytest.mark.parametrize("k", [1, 2])
