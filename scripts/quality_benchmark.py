@@ -68,6 +68,7 @@ SAMPLED_LOOPS = (
 )
 # ... and no loop embedding: every loop the same map (time-invariant), as in Geiping et al.
 INVARIANT_LOOPS = (*SAMPLED_LOOPS, "--model.loop_embedding", "false")
+NORMED_LOOPS = (*INVARIANT_LOOPS, "--model.loop_state_norm", "true")
 
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
@@ -152,6 +153,18 @@ RUNS = [
         SPIDER_CONFIG,
         HNET_ALL + INVARIANT_LOOPS,
         "spider_hnet_all with sampled, time-invariant loops (no per-loop LoRA or loop embedding)",
+    ),
+    Run(
+        "spider_fixed_stage_lr_normed_loops",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "fixed", *STAGE_LR, *NORMED_LOOPS),
+        "spider_fixed_stage_lr_invariant_loops with the state RMS-normalised after every loop",
+    ),
+    Run(
+        "spider_hnet_all_normed_loops",
+        SPIDER_CONFIG,
+        HNET_ALL + NORMED_LOOPS,
+        "spider_hnet_all_invariant_loops with the state RMS-normalised after every loop",
     ),
     Run(
         "spider_space_segments",

@@ -69,14 +69,20 @@ def reference_core(core, s, freqs, bucket_ids, seg_real, n_loops: int, k: int) -
             h, block_aux, _ = block(h, loop, freqs, bucket_ids, seg_real)
             if i >= n_loops - k:
                 aux.append(block_aux)
+        if core.state_norm is not None:
+            h = core.state_norm(h)
     return core.norm(h), torch.stack(aux).mean()
 
 
-def test_time_invariant_loops_iterate_one_map():
+@pytest.mark.parametrize("state_norm", [False, True])
+def test_time_invariant_loops_iterate_one_map(state_norm):
     """loop_embedding = false with loop_lora = false: no loop-specific parameter exists and the core
-    at 5 loops is the hand reference without loop embeddings (the same map each loop); with a
-    (non-zero) loop embedding it differs (negative control)."""
-    model = build(n_loops=2, max_loops=5, loop_embedding=False, loop_lora=False).eval()
+    at 5 loops is the hand reference without loop embeddings (the same map each loop, the state
+    RMS-normalised at each loop's end with ``loop_state_norm``); with a (non-zero) loop embedding it
+    differs (negative control)."""
+    model = build(n_loops=2, max_loops=5, loop_embedding=False, loop_lora=False, loop_state_norm=state_norm).eval()
+    if state_norm:  # a non-trivial norm weight, so leaving the norm out would show
+        torch.nn.init.uniform_(model.core.state_norm.weight, 0.5, 1.5)
     assert not [n for n, _ in model.named_parameters() if "loop_embedding" in n or "lora" in n]
     core = model.core
     s, freqs, bucket_ids, seg_real, _ = core_inputs(model)
@@ -86,7 +92,7 @@ def test_time_invariant_loops_iterate_one_map():
         )
         want, _ = reference_core(core, s, freqs, bucket_ids, seg_real, 5, 5)
         torch.testing.assert_close(out.output, want, rtol=1e-5, atol=1e-6)
-        other = build(n_loops=2, max_loops=5, loop_lora=False).eval()
+        other = build(n_loops=2, max_loops=5, loop_lora=False, loop_state_norm=state_norm).eval()
         other.load_state_dict(model.state_dict(), strict=False)
         torch.nn.init.normal_(other.core.loop_embedding.weight, std=0.1)
         control = other.core(

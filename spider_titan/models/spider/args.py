@@ -99,6 +99,10 @@ class SpiderArgs:
     none, so with ``loop_lora = false`` every loop applies the same map to the state (time-invariant,
     as in Geiping et al. 2025): a loop past the trained ones is the map the model was trained to
     iterate, not one with untrained loop-specific parameters."""
+    loop_state_norm: bool = False
+    """RMS-normalise the core state at the end of every loop (one RMSNorm shared by the loops), so
+    the state a loop hands on has the same scale at any depth, as the sandwich-normed recurrent
+    block of Geiping et al. 2025 keeps it. False: the residual stream carries over unnormalised."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = 4.0

@@ -13,6 +13,8 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
    index, loop i's LoRA on ``wq``/``wo`` unless ``loop_lora = false``); Engram at the blocks in ``engram_layers``
    (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
    token mask (padding segments are computed but left out of the load statistics).
+   With ``loop_state_norm``, ``h = state_norm(h)`` ends every loop (the scale handed on does not
+   grow with the loop count).
 4. ``halting = "none"`` (default): no halting; the core output is ``norm(h)`` after the last
    loop, every segment runs every loop (``mean_loops`` = ``loops_run`` = n_loops, no compute is
    spent on halted segments because none halt, ``ponder_loss`` = 0). At eval ``n_loops`` runs
@@ -266,6 +268,7 @@ class RecurrentCore(nn.Module):
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim) if args.loop_embedding else None
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if args.loop_state_norm else None
         self.halt_predictor = nn.Linear(args.dim, 1) if args.halting == "act" else None
         # ACT's ponder loss is a mean over the real segments of the global micro-batch when a
         # differentiable sum over the data-parallel ranks is installed here (as for the MoE
@@ -326,6 +329,8 @@ class RecurrentCore(nn.Module):
                     if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph
                         aux_sum = aux_sum + aux
                     counts = counts + cnt
+                if self.state_norm is not None:
+                    h = self.state_norm(h)
             loops_run += 1
 
             if self.halt_predictor is None:
@@ -373,6 +378,8 @@ class RecurrentCore(nn.Module):
         if self.loop_embedding is not None:
             nn.init.zeros_(self.loop_embedding.weight)
         self.norm.reset_parameters()
+        if self.state_norm is not None:
+            self.state_norm.reset_parameters()
         if self.halt_predictor is not None:
             nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
             n = self.args.n_loops
