@@ -189,7 +189,7 @@ def train_cmd(run: Run, dump: Path, steps: int, extra: list[str], *, val_freq: i
         "--metrics.enable_tensorboard",
         "false",
         "--checkpoint.export_at_end",
-        "false",
+        "false" if val_freq is None else "true",  # the trained model, for evaluations after the run
         *run.overrides,
         *extra,
     ]
