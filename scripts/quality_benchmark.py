@@ -69,6 +69,8 @@ SAMPLED_LOOPS = (
 # ... and no loop embedding: every loop the same map (time-invariant), as in Geiping et al.
 INVARIANT_LOOPS = (*SAMPLED_LOOPS, "--model.loop_embedding", "false")
 NORMED_LOOPS = (*INVARIANT_LOOPS, "--model.loop_state_norm", "true")
+# ... with backprop through every loop (the last override wins)
+NORMED_LOOPS_FULL = (*NORMED_LOOPS, "--model.backprop_loops", "0")
 
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
@@ -165,6 +167,18 @@ RUNS = [
         SPIDER_CONFIG,
         HNET_ALL + NORMED_LOOPS,
         "spider_hnet_all_invariant_loops with the state RMS-normalised after every loop",
+    ),
+    Run(
+        "spider_fixed_stage_lr_normed_loops_full",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "fixed", *STAGE_LR, *NORMED_LOOPS_FULL),
+        "spider_fixed_stage_lr_normed_loops with backprop through every loop",
+    ),
+    Run(
+        "spider_hnet_all_normed_loops_full",
+        SPIDER_CONFIG,
+        HNET_ALL + NORMED_LOOPS_FULL,
+        "spider_hnet_all_normed_loops with backprop through every loop",
     ),
     Run(
         "spider_space_segments",
