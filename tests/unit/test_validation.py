@@ -122,3 +122,32 @@ def test_equal_variants_run_once_and_report_under_each_suffix():
         "val_bpb_x2",
         "val_mean_input",
     }
+
+
+def test_eval_loops_paired_difference_matches_the_stream():
+    """scripts/eval_loops.py: each count's bpb is the whole stream's loss (windows and tail), the
+    paired difference is the difference of those losses, its standard error is 0 against itself and
+    positive otherwise, and it shrinks as the split grows (about as 1/sqrt(windows))."""
+    from scripts.eval_loops import paired, window_losses
+
+    class Looped(Bigram):
+        def forward(self, input_ids, n_loops: int = 1):
+            return super().forward(input_ids, scale=1.0 + 0.1 * n_loops)
+
+    torch.manual_seed(0)
+    model = Looped()
+    ses = []
+    for n_tokens in (1003, 16003):
+        tokens = stream(n_tokens)
+        data = loader(tokens, batch=3)
+        base, count = window_losses(model, data, 2)
+        more, _ = window_losses(model, data, 4)
+        assert float(count.sum()) == n_tokens - 1
+        want = [direct_loss(model, tokens, 1.0 + 0.1 * n) / math.log(2) for n in (2, 4)]
+        assert float(base.sum() / count.sum()) / math.log(2) == pytest.approx(want[0], rel=1e-6)
+        diff, se = paired(more, base, count)
+        assert diff == pytest.approx(want[1] - want[0], abs=1e-6)
+        assert paired(base, base, count) == (0.0, 0.0)
+        assert se > 0
+        ses.append(se)
+    assert 2.0 < ses[0] / ses[1] < 8.0  # 16x the windows: about 4x smaller

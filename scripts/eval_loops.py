@@ -1,0 +1,91 @@
+"""Val bits per byte of one trained Spider at several eval loop counts, with each count's paired
+difference to the first and the difference's standard error over the val windows.
+
+    python scripts/eval_loops.py --model RUN/export --loops 2,4                # built-in corpus
+    python scripts/eval_loops.py --model RUN/export --data data/prose --loops 2,4 --json out.json
+
+The counts are evaluated on the same bytes (the whole val split, as ``validation.steps = -1``), so
+their difference is measured far more precisely than either figure: the standard error is the
+spread of the per-window differences (a ratio estimator over windows, each weighted by its bytes),
+which is what decides whether more loops are better, worse or indistinguishable. ``--model`` takes
+an export folder or a run / checkpoint folder (its newest complete checkpoint), as generate.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spider_titan.components import registry  # noqa: E402
+from spider_titan.data.loader import ByteDataLoader  # noqa: E402
+from spider_titan.generation import load_model  # noqa: E402
+from spider_titan.training.validation import whole_split_batches  # noqa: E402
+from spider_titan.vocab import IGNORE_INDEX  # noqa: E402
+
+
+@torch.no_grad()
+def window_losses(model, loader: ByteDataLoader, n_loops: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-window summed cross-entropy in nats (R,) float64 and label counts (R,) over the whole val split."""
+    ce, count = [], []
+    for inputs, labels in whole_split_batches(loader):
+        logits = model(inputs, n_loops=n_loops).logits.float()
+        per_byte = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+        )  # (B, T), 0 at ignored labels
+        ce.append(per_byte.sum(1).double())
+        count.append((labels != IGNORE_INDEX).sum(1).double())
+    return torch.cat(ce), torch.cat(count)
+
+
+def paired(ce: torch.Tensor, base: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
+    """Difference in bits per byte (ce - base) and its standard error over windows (ratio estimator)."""
+    keep = count > 0
+    d, c = (ce - base)[keep] / math.log(2), count[keep]
+    diff = float(d.sum() / c.sum())
+    r = d.numel()
+    se = float(torch.sqrt(((d - diff * c) ** 2).sum() * r / max(r - 1, 1)) / c.sum())
+    return diff, se
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="export folder, or a run / checkpoint folder")
+    p.add_argument("--data", default=None, help="a bytes folder; default: the built-in corpus")
+    p.add_argument("--loops", default="2,4", help="comma-separated eval loop counts; the first is the reference")
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+    loops = [int(n) for n in args.loops.split(",")]
+    if len(loops) < 2:
+        raise SystemExit("--loops: give at least two counts (the first is the reference)")
+
+    model, _ = load_model(Path(args.model))
+    dataset = registry.get("dataset", "bytes" if args.data else "builtin")(args.data, split="val", seed=0)
+    loader = ByteDataLoader(
+        dataset, seq_len=args.seq_len, local_batch_size=args.batch, dp_rank=0, dp_world_size=1, seed=0
+    )
+    losses = {n: window_losses(model, loader, n) for n in loops}
+    base, count = losses[loops[0]]
+    rows = []
+    for n in loops:
+        ce, _ = losses[n]
+        diff, se = paired(ce, base, count)
+        bpb = float(ce.sum() / count.sum()) / math.log(2)
+        rows.append({"n_loops": n, "val_bpb": bpb, "diff_bpb": diff, "se_bpb": se, "windows": int((count > 0).sum())})
+        print(
+            f"n_loops {n}: val bpb {bpb:.5f}  vs {loops[0]}: {diff:+.5f} +- {se:.5f} (1 s.e., {rows[-1]['windows']} windows)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
