@@ -5,7 +5,9 @@ One MoE layer sees T local tokens, E experts and top-k routing. The router (plai
 the router and the experts' grouped GEMM, and back:
 
 1. ``build_map``  (no gradient): the expert-major layout. Each (token, slot) pair gets a row in a
-   buffer of ``R = T*k + E*(align-1)`` rows (a static upper bound, so nothing waits on the host);
+   buffer of ``R = T*k + E*(align-1)`` rows, rounded up to a multiple of ``align`` (a static upper
+   bound, so nothing waits on the host; the rounding keeps the buffer's transposed stride aligned,
+   which the fp8 grouped GEMM's weight-gradient needs);
    expert e's rows are contiguous, in token order (stable), and each expert's segment is padded
    up to a multiple of ``align``. Rows past the last used one are padding too.
 2. ``expand``     (autograd): gather x's rows into that buffer; padding rows are zero.
@@ -67,8 +69,11 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def max_rows(num_tokens: int, top_k: int, n_experts: int, align: int) -> int:
-    """Static upper bound on the expert-major buffer's rows."""
-    return num_tokens * top_k + n_experts * (align - 1)
+    """Static upper bound on the expert-major buffer's rows, a multiple of ``align``: torchao's fp8
+    grouped GEMM computes the weight gradient from the transposed buffer, whose row stride (R bytes
+    in fp8) must be a multiple of 16 (seen on an H100 with the debug model: T*k + E*15 was not)."""
+    bound = num_tokens * top_k + n_experts * (align - 1)
+    return -(-bound // align) * align
 
 
 def check_topk_idx(topk_idx: torch.Tensor, n_experts: int, align: int) -> torch.Tensor:

@@ -58,6 +58,7 @@ def test_map_invariants(T, k, E, align):
     rmap = TorchMoEBackend().build_map(idx, E, align)
     R = max_rows(T, k, E, align)
     assert rmap.num_rows == R and rmap.token_slot_to_pos.shape == (T, k)
+    assert R % align == 0 and R >= T * k + E * (align - 1)  # fp8 weight-gradient stride (max_rows)
     assert torch.equal(rmap.counts, torch.bincount(idx.flatten(), minlength=E))
     padded = (rmap.counts + align - 1) // align * align
     assert torch.equal(rmap.offs.long(), torch.cumsum(padded, 0)) and rmap.offs.dtype == torch.int32
