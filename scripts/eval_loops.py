@@ -31,16 +31,19 @@ from spider_titan.vocab import IGNORE_INDEX  # noqa: E402
 
 
 @torch.no_grad()
-def window_losses(model, loader: ByteDataLoader, n_loops: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_losses(
+    model, loader: ByteDataLoader, n_loops: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-window summed cross-entropy in nats (R,) float64 and label counts (R,) over the whole val split."""
     ce, count = [], []
     for inputs, labels in whole_split_batches(loader):
+        inputs, labels = inputs.to(device), labels.to(device)
         logits = model(inputs, n_loops=n_loops).logits.float()
         per_byte = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
         )  # (B, T), 0 at ignored labels
-        ce.append(per_byte.sum(1).double())
-        count.append((labels != IGNORE_INDEX).sum(1).double())
+        ce.append(per_byte.sum(1).double().cpu())
+        count.append((labels != IGNORE_INDEX).sum(1).double().cpu())
     return torch.cat(ce), torch.cat(count)
 
 
@@ -61,18 +64,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loops", default="2,4", help="comma-separated eval loop counts; the first is the reference")
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda; fp32 either way")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     loops = [int(n) for n in args.loops.split(",")]
     if len(loops) < 2:
         raise SystemExit("--loops: give at least two counts (the first is the reference)")
 
-    model, _ = load_model(Path(args.model))
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    model, _ = load_model(Path(args.model), device=device)
     dataset = registry.get("dataset", "bytes" if args.data else "builtin")(args.data, split="val", seed=0)
     loader = ByteDataLoader(
         dataset, seq_len=args.seq_len, local_batch_size=args.batch, dp_rank=0, dp_world_size=1, seed=0
     )
-    losses = {n: window_losses(model, loader, n) for n in loops}
+    losses = {n: window_losses(model, loader, n, device) for n in loops}
     base, count = losses[loops[0]]
     rows = []
     for n in loops:

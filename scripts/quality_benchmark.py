@@ -72,6 +72,17 @@ NORMED_LOOPS = (*INVARIANT_LOOPS, "--model.loop_state_norm", "true")
 # ... with backprop through every loop (the last override wins)
 NORMED_LOOPS_FULL = (*NORMED_LOOPS, "--model.backprop_loops", "0")
 
+# Sampled, time-invariant loops with backprop through every loop and h_0 = 0 (no truncation, no noise):
+# the model is trained at every count it is sampled at, up to max_loops (= 2x the mean)
+INVARIANT_FULL = (
+    "--model.loop_sampling",
+    "poisson_lognormal",
+    "--model.loop_lora",
+    "false",
+    "--model.loop_embedding",
+    "false",
+)
+
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
     Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
@@ -181,6 +192,24 @@ RUNS = [
         "spider_hnet_all_normed_loops with backprop through every loop",
     ),
     Run(
+        "spider_fixed_stage_lr_invariant_full",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_FULL),
+        "spider_fixed_stage_lr with sampled, time-invariant loops, full backprop, h_0 = 0",
+    ),
+    Run(
+        "spider_fixed_stage_lr_invariant_full_normed",
+        SPIDER_CONFIG,
+        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_FULL, "--model.loop_state_norm", "true"),
+        "spider_fixed_stage_lr_invariant_full with the state RMS-normalised after every loop",
+    ),
+    Run(
+        "spider_hnet_all_invariant_full",
+        SPIDER_CONFIG,
+        HNET_ALL + INVARIANT_FULL,
+        "spider_hnet_all with sampled, time-invariant loops, full backprop, h_0 = 0",
+    ),
+    Run(
         "spider_space_segments",
         SPIDER_CONFIG,
         ("--model.boundary_predictor", "space"),
@@ -266,8 +295,24 @@ def run_one(run: Run, args, extra: list[str]) -> dict:
     t0 = time.time()
     print(f"[{run.name}] {per_step:.3e} FLOPs/step -> {steps} steps, validation every {val_freq}", flush=True)
     execute(train_cmd(run, dump, steps, extra, val_freq=val_freq), out / f"{run.name}.log", args.threads)
+    if args.eval_loops and run.config == SPIDER_CONFIG:
+        # Paired eval at two loop counts on the same val windows: the difference's standard error.
+        cmd = [sys.executable, "scripts/eval_loops.py", "--model", str(dump / "export"), "--loops", args.eval_loops]
+        cmd += ["--json", str(dump / "eval_loops.json")] + (
+            ["--data", str(Path(args.data).resolve())] if args.data else []
+        )
+        execute(cmd, out / f"{run.name}.eval_loops.log", args.threads)
     print(f"[{run.name}] done in {time.time() - t0:.0f} s", flush=True)
-    return {"run": run, "steps": steps, "metrics": read_metrics(dump)}
+    return {"run": run, "steps": steps, "metrics": read_metrics(dump), "loops_paired": read_eval_loops(dump)}
+
+
+def read_eval_loops(dump: Path) -> tuple[int, int, float, float] | None:
+    """(reference loops, last loops, bpb difference, its standard error) from eval_loops.json."""
+    path = dump / "eval_loops.json"
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text())
+    return rows[0]["n_loops"], rows[-1]["n_loops"], rows[-1]["diff_bpb"], rows[-1]["se_bpb"]
 
 
 def summarise(result: dict) -> dict:
@@ -291,6 +336,7 @@ def summarise(result: dict) -> dict:
         "eval_loops": last_v.get("val_mean_loops"),
         "load_min": last_t.get("expert_load_min"),
         "load_max": last_t.get("expert_load_max"),
+        "loops_paired": result.get("loops_paired"),
         "curve": [(r["train_flops"], r["val_bpb"]) for r in val if "train_flops" in r],
         "bps_curve": [(r["step"], r.get("val_bytes_per_segment")) for r in val],
     }
@@ -300,12 +346,21 @@ def fmt(v, spec: str = ".3f") -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def paired_cell(paired) -> str:
+    """'@4 - @2: +0.0003 (0.0002)' from read_eval_loops, or a dash."""
+    if paired is None:
+        return "–"
+    a, b, diff, se = paired
+    return f"@{b} - @{a}: {diff:+.4f} ({se:.4f})"
+
+
 def table(summaries: list[dict]) -> str:
     loops = sorted({n for s in summaries for n in s["val_bpb_loops"]})
     head = (
         ["run", "steps", "train FLOPs", "wall s", "val bpb"]
         + [f"bpb @{n} loops" for n in loops]
-        + ["bytes/seg train", "bytes/seg eval", "mean loops train", "mean loops eval", "expert load min/max", "what"]
+        + ["paired (s.e.)", "bytes/seg train", "bytes/seg eval", "mean loops train", "mean loops eval"]
+        + ["expert load min/max", "what"]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
@@ -313,6 +368,7 @@ def table(summaries: list[dict]) -> str:
         cells = (
             [s["name"], str(s["steps"]), fmt(s["flops"], ".3e"), fmt(s["wall_s"], ".0f"), fmt(s["val_bpb"])]
             + [fmt(s["val_bpb_loops"].get(n)) for n in loops]
+            + [paired_cell(s["loops_paired"])]
             + [
                 fmt(s["train_bps"], ".2f"),
                 fmt(s["eval_bps"], ".2f"),
@@ -326,7 +382,7 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(summaries: list[dict], path: Path) -> None:
+def plot(summaries: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,7 +398,7 @@ def plot(summaries: list[dict], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs (measured)")
     ax.set_ylabel("val bits per byte (whole val split)")
-    ax.set_title("Spider vs dense at equal training FLOPs (debug, CPU)")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -368,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
         default=1.10,
         help="Spider runs plan this many times the probed steps (measured: a 60-step probe "
         "overestimated the debug run's FLOPs per step by ~7 %%)",
+    )
+    p.add_argument(
+        "--eval-loops",
+        default="2,4",
+        help="after each Spider run, scripts/eval_loops.py at these loop counts (paired difference of the "
+        "last to the first, with its standard error); empty: skip",
     )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
@@ -396,7 +458,10 @@ def main(argv: list[str] | None = None) -> None:
         for r in runs:
             rows = read_metrics(out / r.name)
             if rows:
-                results.append({"run": r, "steps": max(m["step"] for m in rows), "metrics": rows})
+                steps = max(m["step"] for m in rows)
+                results.append(
+                    {"run": r, "steps": steps, "metrics": rows, "loops_paired": read_eval_loops(out / r.name)}
+                )
     else:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             results = list(pool.map(lambda r: run_one(r, args, extra), runs))
@@ -404,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     md = table(summaries)
     (out / "quality.md").write_text(md + "\n")
     (out / "quality.json").write_text(json.dumps(summaries, indent=1))
-    plot(summaries, out / "quality.png")
+    corpus = Path(args.data).name if args.data else "built-in corpus"
+    plot(summaries, out / "quality.png", f"Spider vs dense at equal training FLOPs ({args.flavor}, {corpus})")
     if args.plot_to:
         Path(args.plot_to).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(out / "quality.png", args.plot_to)
