@@ -38,6 +38,7 @@ import importlib
 import io
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -47,7 +48,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from multiprocessing import Pool
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, ClassVar, Literal
 
@@ -371,13 +371,17 @@ def _parse(task) -> Docs:
     return task.parse()
 
 
-def _init_worker() -> None:
-    """Signals in a pool worker: SIGTERM kills at once, SIGINT is left to the main process.
+# Workers come from a fork server (a fresh, single-threaded process), not from a fork of the caller:
+# a worker forked from the caller inherits its threads' locks and its Python signal handlers, and a
+# SIGTERM that reached one before ``_init_worker`` ran was swallowed. Seen: the full test suite hung
+# in ``Pool.terminate()`` after a parse error, a worker alive on the task queue's lock with SIGTERM at
+# its default action (2026-11-24; earlier, a raising handler hung the stdin test in 2 of 20 runs).
+_POOL_CONTEXT = multiprocessing.get_context("forkserver")
 
-    Forked workers inherit the parent's Python handlers; a SIGTERM handler that raises (pytest's
-    conftest turns SIGTERM into KeyboardInterrupt) hung the stdin test in 2 of 20 runs (0 of 16 with
-    this), a worker stuck on a lock while unwinding. With the default action no Python code runs.
-    """
+
+def _init_worker() -> None:
+    """Signals in a pool worker: SIGTERM kills at once, SIGINT is left to the main process (with no
+    Python code run on SIGTERM, a worker cannot be caught unwinding while it holds a queue lock)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -524,7 +528,7 @@ def encode_in_order(tasks: Iterator[Any], workers: int) -> Iterator[tuple[int, E
                 pending.append((task.in_bytes, _Done(task.run())))
             else:
                 if pool is None:
-                    pool = stack.enter_context(Pool(workers, initializer=_init_worker))
+                    pool = stack.enter_context(_POOL_CONTEXT.Pool(workers, initializer=_init_worker))
                 pending.append((task.in_bytes, _Framed(pool.apply_async(_parse, (task,)))))
             while pending and (len(pending) >= 2 * workers + 2 or isinstance(pending[0][1], _Done)):
                 in_bytes, result = pending.popleft()
