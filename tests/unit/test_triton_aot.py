@@ -78,10 +78,12 @@ _CHILD = textwrap.dedent(
                         src = ASTSource(fn, sig, launch["constexprs"], attrs)
                         ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                              options={"num_warps": launch["num_warps"]}).asm["ptx"]
-                        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # removed on close
                             f.write(ptx)
-                        out = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"-arch=sm_{arch}a",
-                                              f.name, "-o", "/dev/null"], capture_output=True, text=True)
+                            f.flush()
+                            out = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
+                                                  f"-arch=sm_{arch}a", f.name, "-o", "/dev/null"],
+                                                 capture_output=True, text=True)
                         log = out.stderr + out.stdout
                         if out.returncode:
                             raise RuntimeError(log)
