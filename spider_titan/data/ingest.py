@@ -371,11 +371,11 @@ def _parse(task) -> Docs:
     return task.parse()
 
 
-# Workers come from a fork server (a fresh, single-threaded process), not from a fork of the caller:
-# a worker forked from the caller inherits its threads' locks and its Python signal handlers, and a
-# SIGTERM that reached one before ``_init_worker`` ran was swallowed. Seen: the full test suite hung
-# in ``Pool.terminate()`` after a parse error, a worker alive on the task queue's lock with SIGTERM at
-# its default action (2026-11-24; earlier, a raising handler hung the stdin test in 2 of 20 runs).
+# Workers come from a fork server (a fresh, single-threaded process), not from a fork of the caller,
+# which hands each worker its threads' held locks and its Python signal handlers. Seen with forks: the
+# full test suite hung in ``Pool.terminate()`` after a parse error, joining a worker that sat on the task
+# queue's lock with SIGTERM at its default action (2026-11-24; why the SIGTERM did not end it was not
+# established); earlier, a raising SIGTERM handler hung the stdin test in 2 of 20 runs.
 _POOL_CONTEXT = multiprocessing.get_context("forkserver")
 
 
