@@ -303,7 +303,16 @@ def run_one(run: Run, args, extra: list[str]) -> dict:
         )
         execute(cmd, out / f"{run.name}.eval_loops.log", args.threads)
     print(f"[{run.name}] done in {time.time() - t0:.0f} s", flush=True)
-    return {"run": run, "steps": steps, "metrics": read_metrics(dump), "loops_paired": read_eval_loops(dump)}
+    return load_result(run, dump, steps)
+
+
+def load_result(run: Run, dump: Path, steps: int | None = None) -> dict:
+    """What a run left in ``dump``: its metrics, its paired loops figure, and ``steps`` (the last logged
+    step when None), as ``summarise`` takes them."""
+    metrics = read_metrics(dump)
+    if steps is None:
+        steps = max((m["step"] for m in metrics), default=0)
+    return {"run": run, "steps": steps, "metrics": metrics, "loops_paired": read_eval_loops(dump)}
 
 
 def read_eval_loops(dump: Path) -> tuple[int, int, float, float] | None:
@@ -454,14 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     if args.report_only:
-        results = []
-        for r in runs:
-            rows = read_metrics(out / r.name)
-            if rows:
-                steps = max(m["step"] for m in rows)
-                results.append(
-                    {"run": r, "steps": steps, "metrics": rows, "loops_paired": read_eval_loops(out / r.name)}
-                )
+        results = [res for r in runs if (res := load_result(r, out / r.name))["metrics"]]
     else:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             results = list(pool.map(lambda r: run_one(r, args, extra), runs))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.quality_benchmark import RUNS, read_eval_loops, read_metrics, summarise  # noqa: E402
+from scripts.quality_benchmark import RUNS, load_result, summarise  # noqa: E402
 
 ORDER = [r.name for r in RUNS]
 MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_hnet_all")
@@ -63,17 +63,10 @@ def load_cell(spec: str) -> Cell:
     for seed, folders in dirs.items():
         for folder in folders:
             for dump in sorted(p for p in folder.iterdir() if p.is_dir() and p.name in by_name):
-                rows = read_metrics(dump)
-                if not rows:
+                result = load_result(by_name[dump.name], dump)
+                if not result["metrics"]:
                     continue
-                s = summarise(
-                    {
-                        "run": by_name[dump.name],
-                        "steps": max(m["step"] for m in rows),
-                        "metrics": rows,
-                        "loops_paired": read_eval_loops(dump),
-                    }
-                )
+                s = summarise(result)
                 if not s["flops"] >= budget or math.isnan(s["val_bpb"]):
                     print(
                         f"{cell.label}, seed {seed}: {dump.name} stopped at {s['flops']:.2e} FLOPs: left out",
