@@ -21,6 +21,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -77,17 +78,13 @@ def load_cell(spec: str) -> Cell:
     return cell
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def bpb_cell(by_seed: dict[int, dict] | None) -> str:
     if not by_seed:
         return "–"
     vals = [by_seed[k]["val_bpb"] for k in sorted(by_seed)]
     if len(vals) == 1:
         return f"{vals[0]:.3f}"
-    return f"**{mean(vals):.3f}** ({' / '.join(f'{v:.3f}' for v in vals)})"
+    return f"**{fmean(vals):.3f}** ({' / '.join(f'{v:.3f}' for v in vals)})"
 
 
 def paired_cell(by_seed: dict[int, dict] | None) -> str:
@@ -107,10 +104,10 @@ def tables(cells: list[Cell]) -> str:
     telemetry = []
     for c in cells:
         spider = [s for n, by_seed in c.runs.items() if n != "dense" for s in by_seed.values()]
-        learned = [s for s in spider if s["eval_bps"] is not None]
-        if not learned:
+        segmented = [s for s in spider if s["eval_bps"] is not None]  # runs that logged bytes/segment
+        if not segmented:
             continue
-        rng = lambda key: f"{min(s[key] for s in learned):.2f}-{max(s[key] for s in learned):.2f}"
+        rng = lambda key: f"{min(s[key] for s in segmented):.2f}-{max(s[key] for s in segmented):.2f}"
         load = min(s["load_min"] for s in spider if s["load_min"] is not None)
         telemetry.append(
             f"- {c.label}: bytes/segment train {rng('train_bps')}, eval {rng('eval_bps')}; "
@@ -135,7 +132,7 @@ def plot(cells: list[Cell], path: Path) -> None:
             if not pts:
                 continue
             x = [b for b, _ in pts]
-            (line,) = ax.plot(x, [mean(v) for _, v in pts], marker="o", lw=2.2 if name in ("spider", "dense") else 1.2)
+            (line,) = ax.plot(x, [fmean(v) for _, v in pts], marker="o", lw=2.2 if name in ("spider", "dense") else 1.2)
             line.set_label(name)
             for b, vals in pts:
                 ax.scatter([b] * len(vals), vals, s=10, color=line.get_color(), alpha=0.5)
