@@ -17,10 +17,25 @@ the router and the experts' grouped GEMM, and back:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+def op_namespace(module_name: str) -> str:
+    """The ``torch.library`` namespace of the custom ops that module ``module_name`` defines.
+
+    ``spider_titan`` for this package's own modules. A copy of the module imported under another
+    name (the sources an export bundles for transformers, hf/bundle.py) gets a namespace of its own,
+    made from its package's name: defining an op name a second time frees the first definition
+    (``torch.library.custom_op`` allows overwriting), and this package's functions would then call
+    a freed op (seen as "Tried to access the schema for  which doesn't have a schema registered").
+    """
+    if module_name.startswith("spider_titan."):
+        return "spider_titan"
+    return "spider_titan_" + re.sub(r"\W", "_", module_name.rpartition(".")[0])
 
 
 @dataclass

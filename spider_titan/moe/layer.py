@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.moe.base import MoEBackend, compute_dtype
+from spider_titan.moe.base import MoEBackend, compute_dtype, op_namespace
 from spider_titan.moe.routing_replay import is_recomputing, replay_or_record
 from spider_titan.moe.torch_backend import TorchMoEBackend
 
 
-@torch.library.custom_op("spider_titan::grouped_mm", mutates_args=())
+@torch.library.custom_op(f"{op_namespace(__name__)}::grouped_mm", mutates_args=())
 def _grouped_mm_opaque(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` as one opaque op, for dtypes other than bf16 (see ``_raw_grouped_mm``)."""
     return torch._grouped_mm(a, b, offs=offs)

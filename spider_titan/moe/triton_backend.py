@@ -29,6 +29,7 @@ from spider_titan.moe.base import (
     check_reduce,
     check_topk_idx,
     max_rows,
+    op_namespace,
 )
 
 logger = logging.getLogger("spider_titan")
@@ -59,9 +60,10 @@ def _check_device(t: torch.Tensor, interpreted: bool) -> None:
 # carry their backward with ``register_autograd``: torch.compile (fullgraph) then treats every
 # kernel as one opaque op of known output shape instead of tracing into Triton's launcher, and
 # AOTAutograd sees the backward as ops too. Shapes: T tokens, k slots, R = max_rows(...) buffer rows.
+_NS = op_namespace(__name__)  # "spider_titan" (moe/base.py)
 
 
-@torch.library.custom_op("spider_titan::moe_routing_map", mutates_args=())
+@torch.library.custom_op(f"{_NS}::moe_routing_map", mutates_args=())
 def _routing_map_op(
     topk_idx: torch.Tensor, n_experts: int, align: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +84,7 @@ def _(topk_idx, n_experts, align):
     )
 
 
-@torch.library.custom_op("spider_titan::moe_expand_rows", mutates_args=())
+@torch.library.custom_op(f"{_NS}::moe_expand_rows", mutates_args=())
 def _expand_rows_op(
     x: torch.Tensor,
     pos_to_token: torch.Tensor,
@@ -99,7 +101,7 @@ def _(x, pos_to_token, weights, token_slot_to_pos, out_dtype):
     return x.new_empty(pos_to_token.shape[0], x.shape[1], dtype=out_dtype or x.dtype)
 
 
-@torch.library.custom_op("spider_titan::moe_reduce_rows", mutates_args=())
+@torch.library.custom_op(f"{_NS}::moe_reduce_rows", mutates_args=())
 def _reduce_rows_op(y_exp: torch.Tensor, token_slot_to_pos: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """y_exp (R, D) -> (T, D): each token's k rows summed in fp32, weighted when ``weights`` is given."""
     return _kernels().reduce_rows(y_exp, token_slot_to_pos, weights)
@@ -110,7 +112,7 @@ def _(y_exp, token_slot_to_pos, weights):
     return y_exp.new_empty(token_slot_to_pos.shape[0], y_exp.shape[1])
 
 
-@torch.library.custom_op("spider_titan::moe_weight_grad", mutates_args=())
+@torch.library.custom_op(f"{_NS}::moe_weight_grad", mutates_args=())
 def _weight_grad_op(
     y_exp: torch.Tensor, dy: torch.Tensor, token_slot_to_pos: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -123,7 +125,7 @@ def _(y_exp, dy, token_slot_to_pos, dtype):
     return y_exp.new_empty(token_slot_to_pos.shape, dtype=dtype)
 
 
-@torch.library.custom_op("spider_titan::triton_moe_expand", mutates_args=())
+@torch.library.custom_op(f"{_NS}::triton_moe_expand", mutates_args=())
 def _expand(x: torch.Tensor, pos_to_token: torch.Tensor, token_slot_to_pos: torch.Tensor) -> torch.Tensor:
     """Expand forward: gather rows; backward is the unweighted reduce (dx[t] = sum_j dx_exp[pos[t, j]])."""
     return _kernels().expand_rows(x, pos_to_token)  # (R, d)
@@ -146,7 +148,7 @@ def _expand_backward(ctx, dx_exp):
 _expand.register_autograd(_expand_backward, setup_context=_expand_setup)
 
 
-@torch.library.custom_op("spider_titan::triton_moe_reduce", mutates_args=())
+@torch.library.custom_op(f"{_NS}::triton_moe_reduce", mutates_args=())
 def _reduce(
     y_exp: torch.Tensor, weights: torch.Tensor, token_slot_to_pos: torch.Tensor, pos_to_token: torch.Tensor
 ) -> torch.Tensor:

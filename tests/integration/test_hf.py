@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import textwrap
 from pathlib import Path
 
@@ -90,6 +91,30 @@ def test_the_export_holds_the_packages_own_sources(export):
         assert all("from spider_titan." in a and "from .st_" in b or "from ." in b for a, b in changed), changed
     config = json.loads((export / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_spider.SpiderForCausalLM"
+
+
+def test_loading_an_export_leaves_the_packages_custom_ops_registered(export, monkeypatch):
+    """The bundled copy of moe/layer.py defines its ops under a namespace of its own: defining
+    ``spider_titan::grouped_mm`` again would free the package's definition, and every later Spider
+    forward in the process would call a freed op (CI failed so, after this file, 174 tests)."""
+    from torch._library.custom_ops import OPDEFS
+
+    from spider_titan.moe import layer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _auto(export)
+    copies = [m for name, m in sys.modules.items() if name.endswith(".st_moe_layer")]
+    assert copies
+    assert OPDEFS["spider_titan::grouped_mm"] is layer._grouped_mm_opaque
+    for copy in copies:
+        assert copy._grouped_mm_opaque is not layer._grouped_mm_opaque
+        assert OPDEFS[copy._grouped_mm_opaque._qualname] is copy._grouped_mm_opaque
+    a, b = torch.randn(8, 8), torch.randn(2, 8, 8)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    want = torch.cat([a[:3] @ b[0], a[3:] @ b[1]])
+    torch.testing.assert_close(layer._grouped_mm_opaque(a, b, offs), want)
+    for copy in copies:
+        torch.testing.assert_close(copy._grouped_mm_opaque(a, b, offs), want)
 
 
 TASK = """\
