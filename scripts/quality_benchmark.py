@@ -96,6 +96,12 @@ RUNS = [
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
     Run(
+        "spider_state_norm",
+        SPIDER_CONFIG,
+        ("--model.loop_state_norm", "true"),
+        "shipped defaults with the core state RMS-normalised after every loop (fixed depth, per-loop LoRA kept)",
+    ),
+    Run(
         "spider_sampled_loops",
         SPIDER_CONFIG,
         SAMPLED_LOOPS,
