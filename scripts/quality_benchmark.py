@@ -68,7 +68,9 @@ SAMPLED_LOOPS = (
 )
 # ... and no loop embedding: every loop the same map (time-invariant), as in Geiping et al.
 INVARIANT_LOOPS = (*SAMPLED_LOOPS, "--model.loop_embedding", "false")
-NORMED_LOOPS = (*INVARIANT_LOOPS, "--model.loop_state_norm", "true")
+# The core state RMS-normalised after every loop
+STATE_NORM = ("--model.loop_state_norm", "true")
+NORMED_LOOPS = (*INVARIANT_LOOPS, *STATE_NORM)
 # ... with backprop through every loop (the last override wins)
 NORMED_LOOPS_FULL = (*NORMED_LOOPS, "--model.backprop_loops", "0")
 
@@ -98,7 +100,7 @@ RUNS = [
     Run(
         "spider_state_norm",
         SPIDER_CONFIG,
-        ("--model.loop_state_norm", "true"),
+        STATE_NORM,
         "shipped defaults with the core state RMS-normalised after every loop (fixed depth, per-loop LoRA kept)",
     ),
     Run(
@@ -206,7 +208,7 @@ RUNS = [
     Run(
         "spider_fixed_stage_lr_invariant_full_normed",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_FULL, "--model.loop_state_norm", "true"),
+        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_FULL, *STATE_NORM),
         "spider_fixed_stage_lr_invariant_full with the state RMS-normalised after every loop",
     ),
     Run(
