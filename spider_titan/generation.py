@@ -106,7 +106,8 @@ def _read_config(path: Path) -> tuple[dict[str, Any], ModelIdentity]:
         )
     reference = spec.flavors[model["flavor"]]
     known = {f.name for f in dataclasses.fields(reference)}
-    args = model["args"]
+    identity = ModelIdentity.from_json(model)  # with the fields added since the export was written
+    args = identity.args
     problems = [f"unknown {k!r}" for k in sorted(set(args) - known)]
     problems += [f"missing {k!r}" for k in sorted(known - set(args))]
     for key in sorted(set(args) & known):
@@ -125,7 +126,7 @@ def _read_config(path: Path) -> tuple[dict[str, Any], ModelIdentity]:
             problems.append(f"{key!r} is {value!r}, expected a {type(expected).__name__}")
     if problems:
         raise ValueError(f"{file}: model.args: {'; '.join(problems)}; restore it or {REEXPORT}")
-    return config, ModelIdentity.from_json(model)
+    return config, identity
 
 
 def _weights_file(path: Path, key: str | None = None) -> Path:

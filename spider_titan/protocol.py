@@ -93,6 +93,8 @@ class ModelSpec:
                       calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
                       ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
                       as ``val_<key>``); None means one plain pass
+    added_args:       args fields added after a checkpoint format was fixed -> the value that rebuilds
+                      a model saved without them (ModelIdentity fills them in when it reads one)
     """
 
     name: str
@@ -106,6 +108,7 @@ class ModelSpec:
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
     train_inputs: tuple[str, ...] = ()
     moe_tokens_per_byte: Callable[[Any], float] | None = None
+    added_args: dict[str, Any] = field(default_factory=dict)
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""

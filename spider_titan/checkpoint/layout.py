@@ -51,7 +51,13 @@ class ModelIdentity:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelIdentity:
-        return cls(data["name"], data["flavor"], dict(data["args"]), tuple(data.get("converters", ())))
+        """As saved, with the fields the model gained since (``ModelSpec.added_args``) filled in with
+        the values that rebuild the saved model; a field missing for any other reason stays missing."""
+        args = dict(data["args"])
+        if data["name"] in registry.names("model"):
+            added = registry.get("model", data["name"]).added_args
+            args = {**{k: v for k, v in added.items() if k not in args}, **args}
+        return cls(data["name"], data["flavor"], args, tuple(data.get("converters", ())))
 
     def build_args(self) -> Any:
         """The model's args dataclass; ValueError when the saved args hold fields this code lacks."""

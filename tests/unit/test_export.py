@@ -3,6 +3,7 @@ float8 weights unwrapped; model identity checks; next-byte sampling."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -423,3 +424,42 @@ def test_make_sample_reads_the_run_of_config_and_args(trained):
     assert proc.returncode == 0, proc.stderr
     label, sample = proc.stdout.splitlines()[:2]
     assert label == f"sample from {dump}/export (prompt 'def '):" and sample.startswith("def ")
+
+
+def spider_debug_export(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    spec = registry.get("model", "spider")
+    args = spec.build_args("debug")
+    model = spec.build_on_meta(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    out = write_export(
+        full_model_state_dict(model), ModelIdentity.of("spider", "debug", args), tmp_path / "e", dtype=torch.float32
+    )
+    return model.eval(), out
+
+
+def test_an_export_older_than_the_added_args_loads_as_the_model_it_is(tmp_path):
+    """An export written before a field of ``SPIDER_ADDED_ARGS`` existed lacks it; it loads with the
+    value that rebuilds it (the same logits), a field set in the file wins over the table, and a
+    field that is missing for any other reason is still an error."""
+    from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SpiderArgs
+
+    assert set(SPIDER_ADDED_ARGS) <= {f.name for f in dataclasses.fields(SpiderArgs)}
+    model, out = spider_debug_export(tmp_path)
+    file = out / "config.json"
+    config = json.loads(file.read_text())
+    for key in SPIDER_ADDED_ARGS:
+        del config["model"]["args"][key]
+    file.write_text(json.dumps(config))
+    old, _ = load_model(out)
+    assert dataclasses.asdict(old.args) == dataclasses.asdict(model.args)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(old(x).logits, model(x).logits)
+
+    config["model"]["args"]["backprop_loops"] = 1  # a saved value wins over the table's
+    file.write_text(json.dumps(config))
+    assert load_model(out)[0].args.backprop_loops == 1
+    del config["model"]["args"]["n_core"]
+    file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="missing 'n_core'"):
+        load_model(out)

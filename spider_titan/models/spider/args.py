@@ -266,6 +266,26 @@ class SpiderArgs:
         return out
 
 
+# Fields added after checkpoint/export format 1 was fixed, each with the value that rebuilds a model
+# saved before the field existed (the behaviour the field's introduction kept as an option), so a
+# checkpoint or export that lacks them still loads as the model it is. Fields from before the
+# 2026-11-23 segmentation redesign (halting, boundary_predictor, ...) are not here: models saved
+# before it cannot be rebuilt by this code, and say so ("missing ...").
+SPIDER_ADDED_ARGS: dict[str, object] = {
+    "segment_bucket": 0,
+    "boundary_confidence": False,
+    "chunk_convention": "mean",
+    "dechunk_smoothing": False,
+    "stage_init": False,
+    "loop_sampling": "fixed",
+    "backprop_loops": 0,
+    "byte_dim": 0,
+    "byte_mlp": True,
+    "loop_init_std": 0.0,
+    "loop_embedding": True,
+    "loop_state_norm": False,
+}
+
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config.
     "debug": SpiderArgs(),

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.common import PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
-from spider_titan.models.spider.args import SPIDER_FLAVORS, SpiderArgs
+from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.attention import MLA
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.models.spider.flops import spider_flops_per_byte
@@ -342,4 +342,5 @@ SPIDER_SPEC = ModelSpec(
     eval_variants=spider_eval_variants,
     train_inputs=("sample_ids", "step"),  # boundary noise keyed by global sample index, loop count by step
     moe_tokens_per_byte=spider_moe_tokens_per_byte,
+    added_args=SPIDER_ADDED_ARGS,
 )
