@@ -13,7 +13,10 @@ No export deletes what it did not write: the folder carries a marker file (``.sp
 and :func:`check_export_target` refuses an ``out`` that holds anything but a previous export (or
 that is, holds or lies inside a checkpoint folder). The new export is written into a temporary
 sibling and swapped in whole (one atomic exchange where the OS has one), so a crash or a full disk
-mid-write leaves the previous export as it was.
+mid-write leaves the previous export as it was. One writer at a time per parent folder (an ``flock``
+on the folder, which the kernel drops when its holder dies), so the temporary siblings of ``out``
+(``.<name>.tmp-*``, ``.<name>.old-*``) found under that lock were left by a writer that was killed
+(kill -9, power loss): the next export into ``out`` deletes them once ``out`` holds a complete export.
 
 Float8 training keeps each converted linear's high-precision weight as its parameter; with fp8
 all-gather torchao wraps it in a tensor subclass that safetensors cannot store. The export unwraps
@@ -23,8 +26,11 @@ converters loads.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
+import glob
 import json
 import logging
 import os
@@ -174,15 +180,47 @@ def write_export(
     out = Path(out)
     check_export_target(out, origin=origin, keep_out_of=keep_out_of)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _write_files(tensors, identity, tmp, dtype=dtype, step=step, max_shard_bytes=max_shard_bytes, out=out)
-        _make_readable(tmp, folder=True)  # mkdtemp makes it 0700
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _export_lock(out.parent):
+        _remove_abandoned(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            _write_files(tensors, identity, tmp, dtype=dtype, step=step, max_shard_bytes=max_shard_bytes, out=out)
+            _make_readable(tmp, folder=True)  # mkdtemp makes it 0700
+            _swap_in(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _remove_abandoned(out)
     return out
+
+
+@contextlib.contextmanager
+def _export_lock(parent: Path):
+    """Hold ``parent``'s export lock (``flock`` on the folder itself) for the block; waits, saying so,
+    while another process writes an export there."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("export: waiting for another export being written in %s", parent)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Delete the temporary siblings of ``out`` left by an export that was killed (called under the
+    export lock, so no live writer owns one), once ``out`` holds a complete export (swapped in whole,
+    marker present): until then such a folder may hold the only copy."""
+    if out.is_symlink() or not (out / MARKER_FILE).is_file():
+        return
+    pattern = glob.escape(f".{out.name}")
+    for path in sorted([*out.parent.glob(f"{pattern}.tmp-*"), *out.parent.glob(f"{pattern}.old-*")]):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("export: removed %s, left by an export that did not finish", path)
 
 
 def _write_files(

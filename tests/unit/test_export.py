@@ -463,3 +463,88 @@ def test_an_export_older_than_the_added_args_loads_as_the_model_it_is(tmp_path):
     file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="missing 'n_core'"):
         load_model(out)
+
+
+# Starts an export of the dense debug model into argv[1] and hangs once the first weights file is
+# half-written, so the test can kill it -9 there.
+KILLED_EXPORT = """
+import sys, time
+from pathlib import Path
+import safetensors.torch
+import torch
+from spider_titan.checkpoint.export import full_model_state_dict, write_export
+from spider_titan.checkpoint.layout import ModelIdentity
+from spider_titan.components import registry
+from spider_titan.components.builder import materialize
+
+def hang(tensors, filename, metadata=None):
+    Path(filename).write_bytes(b"half a file")
+    print("WRITING", flush=True)
+    time.sleep(600)
+
+safetensors.torch.save_file = hang
+spec = registry.get("model", "dense")
+args = spec.build_args("debug")
+model = spec.build_on_meta(args)
+materialize(model, torch.device("cpu"), seed=0)
+write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", args), Path(sys.argv[1]), dtype=torch.float32)
+"""
+
+
+def test_an_export_killed_mid_write_is_cleaned_up_by_the_next(tmp_path, caplog):
+    """kill -9 mid-write leaves the previous export whole and a temporary sibling; the next export
+    into that folder deletes the sibling (its writer's lock died with it) and nothing else."""
+    model, args = dense_debug()
+    out = tmp_path / "e"
+    identity = ModelIdentity.of("dense", "debug", args)
+    write_export(full_model_state_dict(model), identity, out, dtype=torch.float32)
+    before = snapshot(out)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_EXPORT, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "WRITING"
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".e.tmp-")]
+    assert len(left) == 1 and snapshot(out) == before, left
+    (tmp_path / ".e.old-dead").mkdir()  # what a kill between the two renames of a non-atomic swap leaves
+    (tmp_path / ".other.tmp-live").mkdir()  # another export's: not ours to delete
+    with caplog.at_level(logging.INFO, logger="spider_titan"):
+        write_export(full_model_state_dict(model), identity, out, dtype=torch.float32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-live", "e"]
+    assert caplog.text.count("left by an export that did not finish") == 2
+    assert torch.equal(
+        load_model(out)[0](torch.zeros(1, 4, dtype=torch.long)).logits,
+        model(torch.zeros(1, 4, dtype=torch.long)).logits,
+    )
+
+
+def test_a_second_export_into_a_folder_waits_for_the_first(tmp_path, caplog):
+    """While another process holds a folder's export lock (here: a second open file of the folder,
+    which flock treats as another owner), an export into it waits, says so, and then finishes."""
+    import fcntl
+    import threading
+
+    model, args = dense_debug()
+    holder = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    done = threading.Event()
+
+    def export() -> None:
+        write_export(
+            full_model_state_dict(model), ModelIdentity.of("dense", "debug", args), tmp_path / "e", dtype=torch.float32
+        )
+        done.set()
+
+    with caplog.at_level(logging.INFO, logger="spider_titan"):
+        thread = threading.Thread(target=export)
+        thread.start()
+        try:
+            assert not done.wait(1.0) and not (tmp_path / "e").exists()
+        finally:
+            os.close(holder)
+        thread.join(timeout=60)
+    assert done.is_set() and (tmp_path / "e" / "model.safetensors").is_file()
+    assert "waiting for another export being written in" in caplog.text
