@@ -407,8 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args([a for a in argv if a != "--print_config"])
     except ConfigError as e:
-        for line in e.problems:
-            print(f"config error: {line}", file=sys.stderr)
+        # The same flags and files give every rank of a node the same problems: one rank says them.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            for line in e.problems:
+                print(f"config error: {line}", file=sys.stderr)
         return 2
     if "--print_config" in argv:  # the resolved config as TOML; nothing is built
         print(to_toml(cfg), end="")

@@ -230,6 +230,18 @@ def test_print_config_with_a_bad_key_is_a_one_line_config_error(capsys, monkeypa
     assert len(lines) == 1 and lines[0].startswith("config error: --training.stepz")
 
 
+def test_a_config_error_is_said_once_per_node(capsys, monkeypatch):
+    """Under torchrun every rank parses the same flags: local rank 0 prints the problems, the others
+    of its node exit with the same status and print nothing."""
+    from spider_titan import train
+
+    for local_rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert train.main(["--training.stepz", "5"]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("config error: ")]
+        assert len(lines) == expected, (local_rank, lines)
+
+
 # ---------------------------------------------------------------- value ranges (job_config.ranged)
 
 # One bad value per checked number field: (arguments, the key the one line must name). Each goes
