@@ -85,6 +85,17 @@ INVARIANT_FULL = (
     "false",
 )
 
+# A tenth of the steps at 2x the mean (and a fifth at one loop, mean n_loops), the deep steps backpropagating
+# through their last n_loops loops, and a learned step size per loop
+TAIL_STEPS = (
+    "--model.loop_sampling",
+    "tail",
+    "--model.backprop_loops",
+    "2",
+    "--model.loop_step_size",
+    "true",
+)
+
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
     Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
@@ -102,6 +113,12 @@ RUNS = [
         SPIDER_CONFIG,
         STATE_NORM,
         "shipped defaults with the core state RMS-normalised after every loop (fixed depth, per-loop LoRA kept)",
+    ),
+    Run(
+        "spider_tail_steps",
+        SPIDER_CONFIG,
+        TAIL_STEPS,
+        "shipped defaults trained at 2x the mean loops on a tenth of the steps, with a learned step size per loop",
     ),
     Run(
         "spider_sampled_loops",

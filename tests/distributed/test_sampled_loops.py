@@ -14,21 +14,35 @@ pytestmark = pytest.mark.slow
 SAMPLED = ["--model.loop_sampling", "poisson_lognormal", "--model.backprop_loops", "1"]
 
 
-def test_one_rank_and_two_ranks_sample_the_same_loops(tmp_path):
+# Tail sampling (a fifth of the steps at 4 loops) with a learned step size per loop
+TAIL = ["--model.loop_sampling", "tail", "--model.loop_tail", "0.2", "--model.backprop_loops", "2"]
+TAIL += ["--model.loop_step_size", "true"]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected_loops, logged",
+    [(SAMPLED, [4.0, 2.0, 3.0, 1.0, 1.0], "loss"), (TAIL, [4.0, 2.0, 1.0, 1.0, 2.0], "loop_step_4")],
+    ids=["poisson_lognormal", "tail_step_sizes"],
+)
+def test_one_rank_and_two_ranks_sample_the_same_loops(tmp_path, overrides, expected_loops, logged):
     """1 rank x 4 samples vs FSDP 2 ranks x 2 samples, 2 micro-batches per step: the same loop
-    count per step (varying over the steps: 4, 2, 3, 1, 1) and every step's loss within 1e-5.
-    Measured (2026-11-23, 2 shared cores): ~30 s for both runs."""
+    count per step and every step's loss (and, with step sizes, the logged step size of loop 4, a
+    parameter of the root FSDP unit) within 1e-5. Measured (2026-11-23, 2 shared cores): ~30 s for
+    both runs."""
     losses, loops = {}, {}
     for name, batch, nprocs in (("one", "4", 1), ("two", "2", 2)):
         run = run_train(
-            COMMON + SAMPLED + ["--training.local_batch_size", batch, "--job.dump_folder", str(tmp_path / name)],
+            COMMON + overrides + ["--training.local_batch_size", batch, "--job.dump_folder", str(tmp_path / name)],
             nprocs=nprocs,
         )
         check_ok(run)
         rows = [r for r in read_metrics(tmp_path / name) if "loss" in r]
-        losses[name] = {r["step"]: r["loss"] for r in rows}
+        losses[name] = {r["step"]: (r["loss"], r[logged]) for r in rows}
         loops[name] = [r["loops_run"] for r in rows]
-    assert loops["one"] == loops["two"] == [4.0, 2.0, 3.0, 1.0, 1.0]
-    assert losses["one"][5] < losses["one"][1]
+    assert loops["one"] == loops["two"] == expected_loops
+    assert losses["one"][5][0] < losses["one"][1][0]
+    if logged != "loss":  # the deep steps moved loop 4's step size off 1
+        assert losses["one"][5][1] != 1.0
     for step, ref in losses["one"].items():
-        assert abs(losses["two"][step] - ref) <= 1e-5 * abs(ref), (step, ref, losses["two"][step])
+        for got, want in zip(losses["two"][step], ref):
+            assert abs(got - want) <= 1e-5 * abs(want), (step, ref, losses["two"][step])

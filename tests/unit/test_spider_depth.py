@@ -211,3 +211,51 @@ def test_random_initial_state_is_keyed_by_sample():
         b = noisy.train()(ids.flip(0), sample_ids=rows.flip(0)).logits.flip(0)  # the rows swapped
         assert not torch.allclose(a, plain.train()(ids, sample_ids=rows).logits)
     torch.testing.assert_close(a, b)
+
+
+def test_tail_sampling_trains_the_deep_count_at_a_mean_of_n_loops():
+    """loop_sampling = "tail": counts in {1, n_loops, deep = min(2 n_loops, max_loops)} with shares
+    loop_tail * (deep - n) / (n - 1), 1 - the others, loop_tail; the mean is n_loops; a function of the step."""
+    for n, max_loops, q in ((2, 4, 0.1), (3, 12, 0.2), (3, 5, 0.3)):
+        args = dataclasses.replace(
+            SPIDER_FLAVORS["debug"], n_loops=n, max_loops=max_loops, loop_sampling="tail", loop_tail=q
+        )
+        assert args.validate() == []
+        counts = [sample_loops(args, step) for step in range(20000)]
+        assert counts == [sample_loops(args, step) for step in range(20000)]
+        deep = min(2 * n, max_loops)
+        assert set(counts) == {1, n, deep}
+        share = {c: counts.count(c) / len(counts) for c in (1, deep)}
+        assert share[deep] == pytest.approx(q, abs=0.01)
+        assert share[1] == pytest.approx(q * (deep - n) / (n - 1), abs=0.01)
+        assert sum(counts) / len(counts) == pytest.approx(n, abs=0.03)
+    for overrides, needle in (
+        ({"n_loops": 1}, "loop_sampling: 'tail' needs n_loops >= 2"),
+        ({"n_loops": 4, "max_loops": 4}, "loop_sampling: 'tail' needs n_loops >= 2"),
+        ({"loop_tail": 0.4}, "loop_tail: 0.4 must be in (0, 0.3333]"),
+        ({"loop_tail": 0.0}, "loop_tail: 0.0 must be in"),
+    ):
+        bad = dataclasses.replace(SPIDER_FLAVORS["debug"], loop_sampling="tail", **overrides)
+        assert any(p.startswith(needle) for p in bad.validate()), (overrides, bad.validate())
+
+
+def test_loop_step_sizes_scale_each_loops_move():
+    """loop_step_size: at g = 1 (init) the model is the plain one, bit for bit; g_i = 0 makes loop i
+    hand on the state it received (eval at 4 loops with g_3 = g_4 = 0 is eval at 2); in training with
+    truncated backprop only the loops with a graph give their step size a gradient."""
+    ids = sample_ids(0)
+    plain, stepped = build().eval(), build(loop_step_size=True).eval()
+    with torch.no_grad():
+        assert torch.equal(stepped(ids).logits, plain(ids).logits)
+        stepped.core.loop_step.copy_(torch.tensor([0.0, 0.0, -0.1, -0.1]))  # g = (1, 1, 0, 0)
+        assert torch.equal(stepped.core.step_sizes(), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+        at2, at4 = stepped(ids, n_loops=2), stepped(ids, n_loops=4)
+        assert torch.equal(at4.logits, at2.logits) and at4.aux["loops_run"] == 4
+        assert at4.aux["loop_step_3"] == 0 and at4.aux["loop_step_1"] == 1
+        stepped.core.loop_step.copy_(torch.tensor([0.0, 0.0, -0.05, -0.1]))  # g_3 = 1/2 moves it
+        assert not torch.allclose(stepped(ids, n_loops=4).logits, at2.logits)
+    model = build(loop_step_size=True, backprop_loops=2).train()
+    out = model(ids, labels=torch.roll(ids, -1, dims=1), n_loops=4)
+    out.loss.backward()
+    grad = model.core.loop_step.grad
+    assert torch.equal(grad[:2], torch.zeros(2)) and bool((grad[2:] != 0).all()), grad

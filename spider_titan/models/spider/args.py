@@ -76,12 +76,17 @@ class SpiderArgs:
     output is the last loop's state (fixed depth; ``mean_loops`` = loops run). ``act``: Graves'
     adaptive halting (halting-weighted sum of the loop states, ponder loss, early exit at eval).
     ``act`` collapsed to ~1 loop in training, so ``none`` is the default (docs/experiments.md)."""
-    loop_sampling: Literal["fixed", "poisson_lognormal"] = "fixed"
+    loop_sampling: Literal["fixed", "poisson_lognormal", "tail"] = "fixed"
     """Core loops per training step. ``fixed``: ``n_loops`` every step. ``poisson_lognormal``
     (Geiping et al. 2025): ``1 + Poisson(r)``, r log-normal (sigma 1/2) with mean ``n_loops - 1``,
-    so the mean is ``n_loops`` (slightly less after the cap at ``max_loops``); drawn on the host
+    so the mean is ``n_loops`` (slightly less after the cap at ``max_loops``). ``tail``: a share
+    ``loop_tail`` of the steps runs ``deep = min(2 * n_loops, max_loops)`` loops, a share
+    ``loop_tail * (deep - n_loops) / (n_loops - 1)`` one loop (so the mean is exactly ``n_loops``),
+    the rest ``n_loops``: the count that eval at 2x the mean runs is trained. Drawn on the host
     from a generator keyed by the optimizer step, so every rank and micro-batch of a step runs the
     same count without a collective (recurrence.sample_loops). Eval runs ``n_loops`` unless asked."""
+    loop_tail: float = 0.1
+    """``loop_sampling = "tail"``: the share of training steps run at ``min(2 * n_loops, max_loops)`` loops."""
     backprop_loops: int = 0
     """Truncated backprop: in training only the last ``backprop_loops`` loops keep a graph; the
     earlier ones run under no_grad and hand on a detached state (Geiping et al.: k = 8 of 32).
@@ -99,6 +104,11 @@ class SpiderArgs:
     none, so with ``loop_lora = false`` every loop applies the same map to the state (time-invariant,
     as in Geiping et al. 2025): a loop past the trained ones is the map the model was trained to
     iterate, not one with untrained loop-specific parameters."""
+    loop_step_size: bool = False
+    """A learned step size per loop: loop i hands on ``h + g_i (F_i(h) - h)`` instead of ``F_i(h)``
+    (``h`` the state it received, ``F_i`` the loop as without this option), ``g_i = 1 + 10 * core.loop_step[i]``
+    with ``loop_step`` zero-initialised, so the model starts as without it. With sampled loop counts
+    the loops past the mean learn how far to move the state (0: not at all). False: no parameter."""
     loop_state_norm: bool = False
     """RMS-normalise the core state at the end of every loop (one RMSNorm shared by the loops), so
     the state a loop hands on has the same scale at any depth, as the sandwich-normed recurrent
@@ -234,7 +244,7 @@ class SpiderArgs:
             ("boundary_loss", ("ratio", "hinge")),
             ("boundary_noise", ("none", "gumbel")),
             ("halting", ("none", "act")),
-            ("loop_sampling", ("fixed", "poisson_lognormal")),
+            ("loop_sampling", ("fixed", "poisson_lognormal", "tail")),
         ):
             if getattr(self, name) not in allowed:
                 out.append(f"{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
@@ -247,6 +257,18 @@ class SpiderArgs:
             out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")
         if self.byte_dim < 0:
             out.append(f"byte_dim: {self.byte_dim} must be >= 0 (0: the model width dim)")
+        if self.loop_sampling == "tail":
+            deep = min(2 * self.n_loops, self.max_loops)
+            if self.n_loops < 2 or deep <= self.n_loops:
+                out.append(
+                    f"loop_sampling: 'tail' needs n_loops >= 2 and max_loops > n_loops (n_loops {self.n_loops}, "
+                    f"max_loops {self.max_loops}): it trains some steps at one loop and some at min(2 * n_loops, max_loops)"
+                )
+            elif not 0.0 < self.loop_tail * (1 + (deep - self.n_loops) / (self.n_loops - 1)) <= 1.0:
+                top = (self.n_loops - 1) / (deep - 1)
+                out.append(
+                    f"loop_tail: {self.loop_tail} must be in (0, {top:.4g}] (the deep and one-loop shares sum to at most 1)"
+                )
         if self.backprop_loops < 0:
             out.append(f"backprop_loops: {self.backprop_loops} must be >= 0 (0: backprop through every loop)")
         if self.halting == "act" and (self.loop_sampling != "fixed" or self.backprop_loops):
@@ -284,6 +306,8 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "loop_init_std": 0.0,
     "loop_embedding": True,
     "loop_state_norm": False,
+    "loop_tail": 0.1,
+    "loop_step_size": False,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

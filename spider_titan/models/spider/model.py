@@ -201,7 +201,7 @@ class Spider(nn.Module):
         B, T = input_ids.shape
         if T > a.max_seq_len:
             raise ValueError(f"sequence length {T} > max_seq_len {a.max_seq_len}; raise model.max_seq_len")
-        if n_loops is None and self.training and step is not None and a.loop_sampling == "poisson_lognormal":
+        if n_loops is None and self.training and step is not None and a.loop_sampling != "fixed":
             n_loops = sample_loops(a, step)
         n_loops = a.n_loops if n_loops is None else int(n_loops)
         if not 1 <= n_loops <= a.max_loops:
@@ -287,6 +287,8 @@ class Spider(nn.Module):
                 device=device,
             ),
         }
+        if self.core.loop_step is not None:  # loop_step_size: how far each loop moves the state
+            aux.update({f"loop_step_{i + 1}": g.detach() for i, g in enumerate(self.core.step_sizes().unbind())})
         loss = None
         if labels is not None:
             lm_loss = lm_loss_mean(logits, labels.masked_fill(labels == PAD_ID, IGNORE_INDEX))

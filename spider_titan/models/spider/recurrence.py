@@ -13,6 +13,8 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
    index, loop i's LoRA on ``wq``/``wo`` unless ``loop_lora = false``); Engram at the blocks in ``engram_layers``
    (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
    token mask (padding segments are computed but left out of the load statistics).
+   With ``loop_step_size``, the loop hands on ``h_in + g_i (h - h_in)`` (``h_in`` the state it
+   received, 0 for the first loop), a learned step size ``g_i`` per loop index (starting at 1).
    With ``loop_state_norm``, ``h = state_norm(h)`` ends every loop (the scale handed on does not
    grow with the loop count).
 4. ``halting = "none"`` (default): no halting; the core output is ``norm(h)`` after the last
@@ -72,11 +74,14 @@ from spider_titan.moe.layer import MoE
 # Keys the loop-count generator (with the step), as in seal-rg/recurrent-pretraining: a fixed
 # offset so step 0 is not seed 0.
 _LOOP_SEED = 514229
+# loop_step_size: g = 1 + LOOP_STEP_SCALE * loop_step, so AdamW moves a step size ten times as fast
+# as a weight (at lr 3e-3, the 80 deep steps of an 800-step debug run can take g from 1 to 0).
+LOOP_STEP_SCALE = 10.0
 
 
 def sample_loops(args: SpiderArgs, step: int) -> int:
-    """Training loop count of optimizer step ``step`` under ``loop_sampling = "poisson_lognormal"``:
-    ``1 + Poisson(r)``, ``r ~ LogNormal(log(m) - sigma^2 / 2, sigma)`` with ``m = n_loops - 1`` and
+    """Training loop count of optimizer step ``step``; ``loop_sampling = "tail"``: see its field.
+    ``"poisson_lognormal"``: ``1 + Poisson(r)``, ``r ~ LogNormal(log(m) - sigma^2 / 2, sigma)`` with ``m = n_loops - 1`` and
     sigma 1/2 (so E[r] = m and the mean count is ``n_loops``), capped at ``max_loops`` (loop
     embeddings and LoRA adapters exist up to there). A pure function of (args, step), drawn on the
     host: every rank and micro-batch of a step gets the same count with no collective and no sync.
@@ -85,6 +90,12 @@ def sample_loops(args: SpiderArgs, step: int) -> int:
     m = args.n_loops - 1
     if m <= 0:
         return 1
+    if args.loop_sampling == "tail":  # {1, n_loops, deep} with mean n_loops (args.loop_sampling)
+        deep = min(2 * args.n_loops, args.max_loops)
+        u = np.random.default_rng([_LOOP_SEED, step]).random()
+        if u < args.loop_tail:
+            return deep
+        return 1 if u < args.loop_tail * (1 + (deep - args.n_loops) / m) else args.n_loops
     sigma = 0.5
     rng = np.random.default_rng([_LOOP_SEED, step])
     rate = rng.lognormal(math.log(m) - sigma**2 / 2, sigma)
@@ -269,6 +280,7 @@ class RecurrentCore(nn.Module):
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim) if args.loop_embedding else None
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if args.loop_state_norm else None
+        self.loop_step = nn.Parameter(torch.empty(args.max_loops)) if args.loop_step_size else None
         self.halt_predictor = nn.Linear(args.dim, 1) if args.halting == "act" else None
         # ACT's ponder loss is a mean over the real segments of the global micro-batch when a
         # differentiable sum over the data-parallel ranks is installed here (as for the MoE
@@ -309,6 +321,7 @@ class RecurrentCore(nn.Module):
         h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
+                before = h if i > 0 else (None if h0 is None else h0.to(s.dtype))  # the state loop i receives
                 if i > 0:
                     h = decay * h + injected
                 elif h0 is not None:
@@ -329,6 +342,9 @@ class RecurrentCore(nn.Module):
                     if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph
                         aux_sum = aux_sum + aux
                     counts = counts + cnt
+                if self.loop_step is not None:  # h + g_i (F_i(h) - h); from h_0 = 0: g_i F_i(0)
+                    g = self.step_sizes()[i].to(h.dtype)
+                    h = g * h if before is None else before + g * (h - before)
                 if self.state_norm is not None:
                     h = self.state_norm(h)
             loops_run += 1
@@ -370,6 +386,10 @@ class RecurrentCore(nn.Module):
             backprop_loops=grad_loops,
         )
 
+    def step_sizes(self) -> torch.Tensor:
+        """``g`` (max_loops,) of ``loop_step_size``: ``1 + LOOP_STEP_SCALE * loop_step``."""
+        return 1.0 + LOOP_STEP_SCALE * self.loop_step.float()
+
     def init_weights(self, init_std: float, out_std: float) -> None:
         for block in self.layers:
             block.init_weights(init_std, out_std)
@@ -380,6 +400,8 @@ class RecurrentCore(nn.Module):
         self.norm.reset_parameters()
         if self.state_norm is not None:
             self.state_norm.reset_parameters()
+        if self.loop_step is not None:
+            nn.init.zeros_(self.loop_step)
         if self.halt_predictor is not None:
             nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
             n = self.args.n_loops
