@@ -181,7 +181,7 @@ def write_export(
     check_export_target(out, origin=origin, keep_out_of=keep_out_of)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _export_lock(out.parent):
-        _remove_abandoned(out)
+        _remove_abandoned(out)  # before writing, to free their space (only once out is complete)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             _write_files(tensors, identity, tmp, dtype=dtype, step=step, max_shard_bytes=max_shard_bytes, out=out)
@@ -190,7 +190,7 @@ def write_export(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _remove_abandoned(out)
+        _remove_abandoned(out)  # out is complete now, also where it did not exist before
     return out
 
 

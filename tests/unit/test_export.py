@@ -169,11 +169,11 @@ def test_script_reports_a_missing_checkpoint(tmp_path):
     assert proc.stderr.strip().splitlines() == [expected]
 
 
-def dense_debug() -> tuple[torch.nn.Module, object]:
-    spec = registry.get("model", "dense")
+def dense_debug(name: str = "dense") -> tuple[torch.nn.Module, object]:
+    """The debug flavor of model ``name``, materialised on the CPU (seed 0), and its args."""
+    spec = registry.get("model", name)
     args = spec.build_args("debug")
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    model = spec.build_on_meta(args)
     materialize(model, torch.device("cpu"), seed=0)
     return model, args
 
@@ -427,10 +427,7 @@ def test_make_sample_reads_the_run_of_config_and_args(trained):
 
 
 def spider_debug_export(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
-    spec = registry.get("model", "spider")
-    args = spec.build_args("debug")
-    model = spec.build_on_meta(args)
-    materialize(model, torch.device("cpu"), seed=0)
+    model, args = dense_debug("spider")
     out = write_export(
         full_model_state_dict(model), ModelIdentity.of("spider", "debug", args), tmp_path / "e", dtype=torch.float32
     )

@@ -258,13 +258,13 @@ class SpiderArgs:
         if self.byte_dim < 0:
             out.append(f"byte_dim: {self.byte_dim} must be >= 0 (0: the model width dim)")
         if self.loop_sampling == "tail":
-            deep = min(2 * self.n_loops, self.max_loops)
+            deep, p_deep, p_one = self.tail_shares()
             if self.n_loops < 2 or deep <= self.n_loops:
                 out.append(
                     f"loop_sampling: 'tail' needs n_loops >= 2 and max_loops > n_loops (n_loops {self.n_loops}, "
                     f"max_loops {self.max_loops}): it trains some steps at one loop and some at min(2 * n_loops, max_loops)"
                 )
-            elif not 0.0 < self.loop_tail * (1 + (deep - self.n_loops) / (self.n_loops - 1)) <= 1.0:
+            elif not 0.0 < p_deep + p_one <= 1.0:
                 top = (self.n_loops - 1) / (deep - 1)
                 out.append(
                     f"loop_tail: {self.loop_tail} must be in (0, {top:.4g}] (the deep and one-loop shares sum to at most 1)"
@@ -286,6 +286,12 @@ class SpiderArgs:
             if getattr(self, name) < 0:
                 out.append(f"{name}: {getattr(self, name)} must be >= 0")
         return out
+
+    def tail_shares(self) -> tuple[int, float, float]:
+        """``loop_sampling = "tail"``: (deep count, share of steps at it, share at one loop), the shares
+        such that the mean count is ``n_loops`` (needs n_loops >= 2; ``validate`` says so)."""
+        deep = min(2 * self.n_loops, self.max_loops)
+        return deep, self.loop_tail, self.loop_tail * (deep - self.n_loops) / max(self.n_loops - 1, 1)
 
 
 # Fields added after checkpoint/export format 1 was fixed, each with the value that rebuilds a model

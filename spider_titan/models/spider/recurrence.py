@@ -90,14 +90,12 @@ def sample_loops(args: SpiderArgs, step: int) -> int:
     m = args.n_loops - 1
     if m <= 0:
         return 1
-    if args.loop_sampling == "tail":  # {1, n_loops, deep} with mean n_loops (args.loop_sampling)
-        deep = min(2 * args.n_loops, args.max_loops)
-        u = np.random.default_rng([_LOOP_SEED, step]).random()
-        if u < args.loop_tail:
-            return deep
-        return 1 if u < args.loop_tail * (1 + (deep - args.n_loops) / m) else args.n_loops
-    sigma = 0.5
     rng = np.random.default_rng([_LOOP_SEED, step])
+    if args.loop_sampling == "tail":  # {1, n_loops, deep} with mean n_loops (args.tail_shares)
+        deep, p_deep, p_one = args.tail_shares()
+        u = rng.random()
+        return deep if u < p_deep else 1 if u < p_deep + p_one else args.n_loops
+    sigma = 0.5
     rate = rng.lognormal(math.log(m) - sigma**2 / 2, sigma)
     return int(min(1 + rng.poisson(rate), args.max_loops))
 
@@ -318,14 +316,16 @@ class RecurrentCore(nn.Module):
 
         loops_run = 0
         h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)
+        h0 = None if h0 is None else h0.to(s.dtype)
+        steps = None if self.loop_step is None else self.step_sizes()  # (max_loops,) fp32
         h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
-                before = h if i > 0 else (None if h0 is None else h0.to(s.dtype))  # the state loop i receives
+                before = h if i > 0 else h0  # the state loop i receives (None: zero)
                 if i > 0:
                     h = decay * h + injected
                 elif h0 is not None:
-                    h = decay * h0.to(s.dtype) + injected
+                    h = decay * h0 + injected
                 if loop_emb is not None:
                     h = h + loop_emb[i].to(h.dtype)
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
@@ -342,8 +342,8 @@ class RecurrentCore(nn.Module):
                     if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph
                         aux_sum = aux_sum + aux
                     counts = counts + cnt
-                if self.loop_step is not None:  # h + g_i (F_i(h) - h); from h_0 = 0: g_i F_i(0)
-                    g = self.step_sizes()[i].to(h.dtype)
+                if steps is not None:  # h + g_i (F_i(h) - h); from h_0 = 0: g_i F_i(0)
+                    g = steps[i].to(h.dtype)
                     h = g * h if before is None else before + g * (h - before)
                 if self.state_norm is not None:
                     h = self.state_norm(h)
