@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spider_titan.components import registry  # noqa: E402
 from spider_titan.data.loader import ByteDataLoader  # noqa: E402
 from spider_titan.generation import load_model  # noqa: E402
+from spider_titan.protocol import paired_difference, window_cross_entropy  # noqa: E402
 from spider_titan.training.validation import whole_split_batches  # noqa: E402
-from spider_titan.vocab import IGNORE_INDEX  # noqa: E402
 
 
 @torch.no_grad()
@@ -37,24 +37,10 @@ def window_losses(
     """Per-window summed cross-entropy in nats (R,) float64 and label counts (R,) over the whole val split."""
     ce, count = [], []
     for inputs, labels in whole_split_batches(loader):
-        inputs, labels = inputs.to(device), labels.to(device)
-        logits = model(inputs, n_loops=n_loops).logits.float()
-        per_byte = torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
-        )  # (B, T), 0 at ignored labels
-        ce.append(per_byte.sum(1).double().cpu())
-        count.append((labels != IGNORE_INDEX).sum(1).double().cpu())
+        c, n = window_cross_entropy(model(inputs.to(device), n_loops=n_loops).logits, labels.to(device))
+        ce.append(c.cpu())
+        count.append(n.cpu())
     return torch.cat(ce), torch.cat(count)
-
-
-def paired(ce: torch.Tensor, base: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
-    """Difference in bits per byte (ce - base) and its standard error over windows (ratio estimator)."""
-    keep = count > 0
-    d, c = (ce - base)[keep] / math.log(2), count[keep]
-    diff = float(d.sum() / c.sum())
-    r = d.numel()
-    se = float(torch.sqrt(((d - diff * c) ** 2).sum() * r / max(r - 1, 1)) / c.sum())
-    return diff, se
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n in loops:
         ce, _ = losses[n]
-        diff, se = paired(ce, base, count)
+        diff, se = paired_difference(ce, base, count)
         bpb = float(ce.sum() / count.sum()) / math.log(2)
         rows.append({"n_loops": n, "val_bpb": bpb, "diff_bpb": diff, "se_bpb": se, "windows": int((count > 0).sum())})
         print(

@@ -1,4 +1,4 @@
-"""The few collectives everyone shares: sums over ranks (plain and differentiable), the world size and
+"""The few collectives everyone shares: sums over ranks (plain and differentiable), a gather, the world size and
 the gradient-norm clip across meshes. No-ops in a single process; below models, MoE and parallel code
 in the layering (docs/architecture.md), so any of them may use these."""
 
@@ -19,6 +19,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on every rank) concatenated along dim 0 in rank order, on
+    every rank; ``t`` itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -14,6 +14,7 @@ what Spider does with each part; docs/extension.md adds a model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,32 @@ def lm_loss_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss_sum(logits, labels) / n
 
 
+def window_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (window) of a batch: summed next-byte cross-entropy in nats (B,) and label count (B,),
+    both float64, labels == IGNORE_INDEX left out; for comparisons window by window."""
+    per_byte = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return per_byte.sum(1).double(), (labels != IGNORE_INDEX).sum(1).double()
+
+
+def paired_difference(ce: torch.Tensor, base: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
+    """Bits per byte of ``ce`` minus ``base`` (per-window summed cross-entropies in nats, (R,), over the
+    same windows with ``count`` labels each) and the difference's standard error over the windows
+    (a ratio estimator, each window weighted by its bytes): two settings of one model compared on
+    the same bytes, far more precisely than either figure alone."""
+    keep = count > 0
+    d, c = (ce - base)[keep].double() / math.log(2), count[keep].double()
+    diff = float(d.sum() / c.sum())
+    r = d.numel()
+    se = float(torch.sqrt(((d - diff * c) ** 2).sum() * r / max(r - 1, 1)) / c.sum())
+    return diff, se
+
+
+WindowScorer = Callable[[dict], "tuple[torch.Tensor, torch.Tensor]"]
+"""``(forward_kwargs) -> (ce, count)``: the model's summed next-byte cross-entropy in nats (R,) float64
+and label counts (R,) per window of a fixed set of batches, every rank's windows in one order, the
+same tensors on every rank (the end-of-run calibration's batches, training/calibration.py)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How the framework builds and handles one registered model.
@@ -95,6 +122,10 @@ class ModelSpec:
                       as ``val_<key>``); None means one plain pass
     added_args:       args fields added after a checkpoint format was fixed -> the value that rebuilds
                       a model saved without them (ModelIdentity fills them in when it reads one)
+    calibrate:        ``(model, args, score: WindowScorer) -> {name: figure}``: after the last training
+                      step, fits eval-time settings of the trained model (buffers, never its trained
+                      weights) on fresh training batches scored by ``score``, the same way on every
+                      rank; returns figures to log. None: nothing to fit ([calibration])
     """
 
     name: str
@@ -109,6 +140,7 @@ class ModelSpec:
     train_inputs: tuple[str, ...] = ()
     moe_tokens_per_byte: Callable[[Any], float] | None = None
     added_args: dict[str, Any] = field(default_factory=dict)
+    calibrate: Callable[[nn.Module, Any, WindowScorer], dict[str, float]] | None = None
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""

@@ -36,6 +36,7 @@ from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
 from spider_titan.metrics.profiling import maybe_profile
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
+from spider_titan.training.calibration import Calibrator
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.signals import STOP_SIGNALS, Interrupted, StopSignal, exit_now
@@ -112,6 +113,18 @@ class Trainer:
             )
             if run.val_loader is not None
             else None
+        )
+        # After the last step: eval-time settings fitted on the batches training would read next.
+        self.calibrator = Calibrator(
+            run.model,
+            run.spec,
+            run.model_args,
+            run.train_loader,
+            cfg.calibration,
+            device=run.device,
+            autocast=self._autocast,
+            stop=self.stop,
+            max_batches=run.total_steps * cfg.training.gradient_accumulation_steps,
         )
         self.progress = Progress(
             self.state,
@@ -244,7 +257,11 @@ class Trainer:
         start_step = self.state.step
         self.progress.start()
         if 0 < start_step == run.total_steps:  # resumed at the last step (a stop there): its end-of-run work remains
-            logger.info("step %d, the last, is trained: its validation, final save and export follow", start_step)
+            logger.info(
+                "step %d, the last, is trained: its calibration, validation, final save and export follow", start_step
+            )
+            if not self._calibrate(start_step):
+                return self._stop(start_step, ", during its calibration (not applied)")
             val = self.validator() if self.validator is not None else {}
             if val is None:
                 return self._stop(start_step, ", during the final validation")
@@ -271,6 +288,8 @@ class Trainer:
                 scalars.update(self.progress.step_scalars(step, lr=run.lr_scheduler.get_last_lr()[0]))
                 run.metric_logger.log(step, scalars)
                 self.progress.new_interval()
+            if last and not stopping and not self._calibrate(step):
+                return self._stop(step, ", the last, during its calibration (not applied)")
             if val_now and not stopping:
                 val = self.progress.timed_validation(self.validator)
                 if val is None:  # a signal during validation: abandoned, nothing of it reported
@@ -281,6 +300,23 @@ class Trainer:
                 return self._stop(step, ", the last (resuming runs its end-of-run work)" if last else "")
             self.checkpointer.maybe_save(step, last=last)
         return self._export_at_end(self.state.step)
+
+    def _calibrate(self, step: int) -> bool:
+        """The end-of-run calibration (before the last validation, save and export, so all three see
+        it; skipped when there are none); its figures are logged at ``step``. False when a stop signal
+        cut it short (nothing applied)."""
+        if not self.calibrator.active:
+            return True
+        ck = self.cfg.checkpoint
+        if self.validator is None and not ck.enable and not ck.export_at_end:
+            logger.info("calibration: skipped, nothing reads it (no validation, checkpoint or export)")
+            return True
+        figures = self.calibrator()
+        if figures is None:
+            return False
+        if figures:
+            self.run.metric_logger.log(step, figures)
+        return True
 
     def _report_validation(self, step: int, val: dict[str, float]) -> None:
         val.update(self.progress.val_scalars(step))

@@ -336,6 +336,19 @@ class Validation:
 
 
 @dataclass
+class Calibration:
+    enable: bool = True
+    """After the last training step, before the final validation, save and export, fit the model's
+    eval-time settings on fresh training batches (``ModelSpec.calibrate``; Spider: the gains of the
+    loops past ``n_loops``, so evaluating at more loops than trained is no worse). Models without
+    such settings skip it, and so does a run with no validation, checkpoint or export to read it."""
+    steps: int = ranged(32, low=1)
+    """Batches of ``training.local_batch_size`` per rank, the ones training would read next (its own
+    position does not move), at most as many as the run trained on; the model is scored on them
+    once per candidate setting (Spider: 1 + 3 per loop past ``n_loops``)."""
+
+
+@dataclass
 class Profiling:
     enable_profiling: bool = False
     """Record torch.profiler traces of the steps ``start_step`` .. ``start_step + active_steps - 1``
@@ -367,4 +380,5 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    calibration: Calibration = field(default_factory=Calibration)
     profiling: Profiling = field(default_factory=Profiling)

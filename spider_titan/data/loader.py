@@ -409,6 +409,12 @@ class ByteDataLoader(Stateful):
         ids = torch.arange(first, first + self.local_batch_size, dtype=torch.int64)
         return ids.pin_memory() if self.pin_memory else ids
 
+    def upcoming(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next ``n`` batches this rank's iterator would yield, read without consuming them (the
+        position stays where it is): data the model has not been trained on yet, for calibration."""
+        first, g = self.samples_consumed, self.global_batch_size
+        return [self._sampler.local_batch(first + k * g) for k in range(n)]
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         first, g = self.samples_consumed, self.global_batch_size
         if self.num_workers == 0:

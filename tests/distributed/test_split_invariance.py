@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.utils import REPO, check_ok, run_train, train_losses
+from tests.utils import REPO, check_ok, read_metrics, run_train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ COMMON = [
     "--validation.enable",
     "false",
     "--checkpoint.export_at_end",
-    "false",
+    "true",  # so the end-of-run calibration runs (nothing else would read it)
     "--metrics.enable_tensorboard",
     "false",
 ]
@@ -69,16 +69,28 @@ def _relative_gaps(ref: dict[int, float], got: dict[int, float]) -> dict[int, fl
     return {step: abs(got[step] - ref[step]) / abs(ref[step]) for step in ref}
 
 
+def calibration(dump_folder) -> dict[str, float]:
+    """The end-of-run calibration's figures (metrics.jsonl)."""
+    rows = [r for r in read_metrics(dump_folder) if "calib_gain_bpb" in r]
+    assert len(rows) == 1, rows
+    return {k: v for k, v in rows[0].items() if k != "step"}
+
+
 def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
     """1 rank x 4 samples vs 4 ranks x 1 sample (EP 2 x DP 2, and FSDP 4), 2 micro-batches per
-    step: every step's loss (metrics.jsonl, full precision) within 1e-5 relative. Negative
-    control: FSDP 4 with per-rank statistics differs by more than 1e-5.
+    step: every step's loss (metrics.jsonl, full precision) within 1e-5 relative, and the end-of-run
+    calibration scores the same windows (each loop's best gain against leaving it out within 1e-6
+    bpb) and picks the same gains. Negative control: FSDP 4 with per-rank statistics differs by more
+    than 1e-5.
     Measured (2026-11-23, 2 cores): gaps <= 1.0e-7 for both layouts; per-rank statistics 8.5e-5 at
     step 2, 3.4e-4 at step 5; 45-64 s for the four runs on 2 shared cores."""
     single = run_train(COMMON + ["--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")])
     check_ok(single)
     ref = train_losses(tmp_path / "one")
     assert ref[5] < ref[1]  # it trains: equal losses of a model that does not move would prove little
+    ref_calib = calibration(tmp_path / "one")
+    assert set(ref_calib) == {"loop_gain_3", "loop_gain_4", "calib_diff_bpb_3", "calib_diff_bpb_4", "calib_gain_bpb"}
+    assert ref_calib["calib_diff_bpb_3"] != 0.0  # loop 3 changes the loss: the figures compared are not all zero
 
     for name, extra in [("ep2_dp2", ["--parallelism.expert_parallel_degree", "2"]), ("fsdp4", [])]:
         run = run_train(COMMON + FOUR_RANKS + extra + ["--job.dump_folder", str(tmp_path / name)], nprocs=4)
@@ -87,6 +99,11 @@ def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
         assert "parameters sharded on a dim other than 0" in run.stderr + run.stdout
         gaps = _relative_gaps(ref, train_losses(tmp_path / name))
         assert max(gaps.values()) < 1e-5, (name, gaps)
+        got = calibration(tmp_path / name)
+        assert {k: v for k, v in got.items() if k.startswith("loop_gain")} == {
+            k: v for k, v in ref_calib.items() if k.startswith("loop_gain")
+        }
+        assert got == pytest.approx(ref_calib, abs=1e-6), name
 
     launcher = tmp_path / "per_rank_statistics.py"
     launcher.write_text(PER_RANK_LAUNCHER)

@@ -55,8 +55,10 @@ def test_generate_cli_matches_the_library(tmp_path):
 
 def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
     """No export step needed: a run folder, its checkpoint folder and a step folder load the newest
-    (or that) checkpoint's weights, and sample what the run's own fp32 export samples."""
-    from tests.utils import check_ok, run_train
+    (or that) checkpoint's weights, and sample what the run's own fp32 export samples. The end-of-run
+    calibration comes before the last save and the export: both hold the gains it logged, the
+    checkpoint before it the initial ones."""
+    from tests.utils import check_ok, read_metrics, run_train
 
     run = tmp_path / "run"
     check_ok(
@@ -95,3 +97,8 @@ def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
     assert config["step"] == 2
     ids = torch.tensor([[257, *b"abcdef"]])
     assert not torch.equal(older(ids).logits, exported(ids).logits)  # step 2 really is another model
+    (logged,) = [row for row in read_metrics(run) if "calib_gain_bpb" in row]
+    gains = exported.core.extra_loop_gain.tolist()
+    assert logged["step"] == 4 and gains[2:] == [logged["loop_gain_3"], logged["loop_gain_4"]]
+    assert load_model(run / "checkpoint" / "step-4")[0].core.extra_loop_gain.tolist() == gains
+    assert older.core.extra_loop_gain.tolist() == [1.0] * 4

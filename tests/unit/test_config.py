@@ -292,6 +292,7 @@ BAD_VALUES = [
     (["--profiling.memory_snapshot_step", "-2"], "profiling.memory_snapshot_step"),
     (["--validation.steps", "-7"], "validation.steps"),
     (["--validation.steps", "0"], "validation.steps"),
+    (["--calibration.steps", "0"], "calibration.steps"),
     (["--validation.local_batch_size", "-1"], "validation.local_batch_size"),
 ]
 # Number fields with no Range, and why any value is meaningful (or checked elsewhere).

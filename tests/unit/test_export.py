@@ -169,10 +169,10 @@ def test_script_reports_a_missing_checkpoint(tmp_path):
     assert proc.stderr.strip().splitlines() == [expected]
 
 
-def dense_debug(name: str = "dense") -> tuple[torch.nn.Module, object]:
-    """The debug flavor of model ``name``, materialised on the CPU (seed 0), and its args."""
+def dense_debug(name: str = "dense", **overrides) -> tuple[torch.nn.Module, object]:
+    """The debug flavor of model ``name`` (with ``overrides``), materialised on the CPU (seed 0), and its args."""
     spec = registry.get("model", name)
-    args = spec.build_args("debug")
+    args = spec.build_args("debug", overrides)
     model = spec.build_on_meta(args)
     materialize(model, torch.device("cpu"), seed=0)
     return model, args
@@ -426,8 +426,8 @@ def test_make_sample_reads_the_run_of_config_and_args(trained):
     assert label == f"sample from {dump}/export (prompt 'def '):" and sample.startswith("def ")
 
 
-def spider_debug_export(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
-    model, args = dense_debug("spider")
+def spider_debug_export(tmp_path: Path, **overrides) -> tuple[torch.nn.Module, Path]:
+    model, args = dense_debug("spider", **overrides)
     out = write_export(
         full_model_state_dict(model), ModelIdentity.of("spider", "debug", args), tmp_path / "e", dtype=torch.float32
     )
@@ -441,7 +441,7 @@ def test_an_export_older_than_the_added_args_loads_as_the_model_it_is(tmp_path):
     from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SpiderArgs
 
     assert set(SPIDER_ADDED_ARGS) <= {f.name for f in dataclasses.fields(SpiderArgs)}
-    model, out = spider_debug_export(tmp_path)
+    model, out = spider_debug_export(tmp_path, **SPIDER_ADDED_ARGS)  # the model as it was saved then
     file = out / "config.json"
     config = json.loads(file.read_text())
     for key in SPIDER_ADDED_ARGS:

@@ -125,10 +125,11 @@ def test_equal_variants_run_once_and_report_under_each_suffix():
 
 
 def test_eval_loops_paired_difference_matches_the_stream():
-    """scripts/eval_loops.py: each count's bpb is the whole stream's loss (windows and tail), the
+    """scripts/eval_loops.py (and protocol.paired_difference, which the calibration uses): each count's bpb is the whole stream's loss (windows and tail), the
     paired difference is the difference of those losses, its standard error is 0 against itself and
     positive otherwise, and it shrinks as the split grows (about as 1/sqrt(windows))."""
-    from scripts.eval_loops import paired, window_losses
+    from scripts.eval_loops import window_losses
+    from spider_titan.protocol import paired_difference as paired
 
     class Looped(Bigram):
         def forward(self, input_ids, n_loops: int = 1):

@@ -109,6 +109,14 @@ class SpiderArgs:
     (``h`` the state it received, ``F_i`` the loop as without this option), ``g_i = 1 + 10 * core.loop_step[i]``
     with ``loop_step`` zero-initialised, so the model starts as without it. With sampled loop counts
     the loops past the mean learn how far to move the state (0: not at all). False: no parameter."""
+    extra_loop_gains: bool = True
+    """A gain per loop index past ``n_loops`` (buffer ``core.extra_loop_gain``, ones at init), used at
+    eval only: loop i >= n_loops hands on ``h + gain_i (F_i(h) - h)`` (``h`` the state it received,
+    ``F_i(h)`` what the loop makes of it), so gain 0 makes it hand on its input unchanged and 1 is the
+    plain loop. The end-of-run calibration (``[calibration]``, models/spider/calibration.py) fits each
+    gain on fresh training batches, so that evaluating at more loops than trained (test-time depth)
+    is no worse than at ``n_loops`` and better where a damped loop helps. ``halting = "act"`` ignores
+    them. False: no buffer (models saved before the field existed)."""
     loop_state_norm: bool = False
     """RMS-normalise the core state at the end of every loop (one RMSNorm shared by the loops), so
     the state a loop hands on has the same scale at any depth, as the sandwich-normed recurrent
@@ -314,6 +322,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "loop_state_norm": False,
     "loop_tail": 0.1,
     "loop_step_size": False,
+    "extra_loop_gains": False,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

@@ -62,6 +62,7 @@ from torch import nn
 from spider_titan.models.common import PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
 from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, SpiderArgs
 from spider_titan.models.spider.attention import MLA
+from spider_titan.models.spider.calibration import calibrate_extra_loops
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.models.spider.flops import spider_flops_per_byte
 from spider_titan.models.spider.recurrence import RecurrentCore, sample_loops
@@ -345,4 +346,5 @@ SPIDER_SPEC = ModelSpec(
     train_inputs=("sample_ids", "step"),  # boundary noise keyed by global sample index, loop count by step
     moe_tokens_per_byte=spider_moe_tokens_per_byte,
     added_args=SPIDER_ADDED_ARGS,
+    calibrate=calibrate_extra_loops,
 )

@@ -17,6 +17,9 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
    received, 0 for the first loop), a learned step size ``g_i`` per loop index (starting at 1).
    With ``loop_state_norm``, ``h = state_norm(h)`` ends every loop (the scale handed on does not
    grow with the loop count).
+   At eval (``halting = "none"``), a loop past ``n_loops`` hands on ``h_in + gain_i (h - h_in)``, a gain per
+   loop index (``extra_loop_gains``, buffer ``extra_loop_gain``; ones until the end-of-run
+   calibration fits them, models/spider/calibration.py): gain 0 hands on ``h_in`` bit for bit.
 4. ``halting = "none"`` (default): no halting; the core output is ``norm(h)`` after the last
    loop, every segment runs every loop (``mean_loops`` = ``loops_run`` = n_loops, no compute is
    spent on halted segments because none halt, ``ponder_loss`` = 0). At eval ``n_loops`` runs
@@ -279,6 +282,12 @@ class RecurrentCore(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if args.loop_state_norm else None
         self.loop_step = nn.Parameter(torch.empty(args.max_loops)) if args.loop_step_size else None
+        # Eval-time gains of the loops past n_loops, set by the end-of-run calibration: a buffer, so it
+        # is saved and exported with the weights, replicated (never sharded) and never trained.
+        if args.extra_loop_gains:
+            self.register_buffer("extra_loop_gain", torch.empty(args.max_loops))
+        else:
+            self.extra_loop_gain = None
         self.halt_predictor = nn.Linear(args.dim, 1) if args.halting == "act" else None
         # ACT's ponder loss is a mean over the real segments of the global micro-batch when a
         # differentiable sum over the data-parallel ranks is installed here (as for the MoE
@@ -318,6 +327,7 @@ class RecurrentCore(nn.Module):
         h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)
         h0 = None if h0 is None else h0.to(s.dtype)
         steps = None if self.loop_step is None else self.step_sizes()  # (max_loops,) fp32
+        gains = self.extra_loop_gain if not self.training and self.halt_predictor is None else None
         h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
@@ -347,6 +357,8 @@ class RecurrentCore(nn.Module):
                     h = g * h if before is None else before + g * (h - before)
                 if self.state_norm is not None:
                     h = self.state_norm(h)
+                if gains is not None and i >= self.args.n_loops:  # test-time depth: how far loop i moves
+                    h = before + gains[i].to(h.dtype) * (h - before)
             loops_run += 1
 
             if self.halt_predictor is None:
@@ -402,6 +414,8 @@ class RecurrentCore(nn.Module):
             self.state_norm.reset_parameters()
         if self.loop_step is not None:
             nn.init.zeros_(self.loop_step)
+        if self.extra_loop_gain is not None:
+            nn.init.ones_(self.extra_loop_gain)
         if self.halt_predictor is not None:
             nn.init.normal_(self.halt_predictor.weight, std=0.1 / math.sqrt(self.args.dim))
             n = self.args.n_loops

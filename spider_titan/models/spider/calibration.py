@@ -1,0 +1,76 @@
+"""Test-time depth calibration (``ModelSpec.calibrate``): the gains of the loops past ``n_loops``.
+
+A model trained at ``n_loops`` loops has never seen the state a further loop hands on, and a full
+further loop can move it somewhere worse: measured at debug scale, eval at 2x the loops was up to
+0.002 bpb worse than at the trained count (docs/experiments.md, "Test-time depth"). Each loop
+``i >= n_loops`` therefore hands on ``h + gain_i (F_i(h) - h)`` at eval (recurrence.py), and the gains
+are fitted after training, one loop at a time, on fresh training batches:
+
+    for i = n_loops .. max_loops - 1:
+        score the model at i + 1 loops with gain_i in GAINS, pick the best;
+        keep it if it beats gain_i = 0 (the model at i loops, which the loop then leaves unchanged)
+        by more than Z standard errors of the paired per-window difference, else set gain_i = 0.
+
+So on the calibration batches the loss never rises with the loop count (gain 0 reproduces the
+previous count bit for bit), and a loop is kept only where it measurably helps: test-time depth is
+no worse than the trained depth, and better where a damped further loop helps (measured on the val
+split in docs/experiments.md). The trained weights are not touched; the gains are a buffer, saved
+and exported with them. ``halting = "act"`` has its own eval-time depth and is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from spider_titan.models.spider.args import SpiderArgs
+from spider_titan.protocol import WindowScorer, paired_difference
+
+logger = logging.getLogger("spider_titan")
+
+# Candidate gains of a further loop (0, the loop left out, is the reference each is compared with).
+GAINS = (0.25, 0.5, 1.0)
+# A gain is kept only when it beats the loop left out by this many standard errors.
+Z = 2.0
+
+
+@torch.no_grad()
+def calibrate_extra_loops(model: nn.Module, args: SpiderArgs, score: WindowScorer) -> dict[str, float]:
+    """Fit ``core.extra_loop_gain[n_loops:]`` greedily (module docstring); the figures to log:
+    ``loop_gain_<k>`` (the gain of loop k, 1-based), ``calib_diff_bpb_<k>`` (bpb of loop k at its best
+    candidate gain minus leaving it out) and ``calib_gain_bpb`` (bpb at ``max_loops`` minus at
+    ``n_loops`` on the calibration batches, <= 0)."""
+    gains = model.core.extra_loop_gain
+    n, top = args.n_loops, args.max_loops
+    if gains is None or args.halting != "none" or top <= n:
+        return {}
+    ref, count = score({"n_loops": n})
+    first = ref
+    figures: dict[str, float] = {}
+    for i in range(n, top):
+        tried = []
+        for g in GAINS:
+            gains[i] = g
+            ce, _ = score({"n_loops": i + 1})
+            tried.append((float(ce.sum()), g, ce))
+        _, best, ce = min(tried, key=lambda t: t[0])
+        diff, se = paired_difference(ce, ref, count)
+        keep = diff < -Z * se
+        gains[i] = best if keep else 0.0
+        if keep:
+            ref = ce
+        logger.info(
+            "calibration: loop %d gain %g (best of %s: %+.5f +- %.5f bpb against leaving it out; %s)",
+            i + 1,
+            best if keep else 0.0,
+            list(GAINS),
+            diff,
+            se,
+            "kept" if keep else f"not {Z:g} standard errors better, left out",
+        )
+        figures[f"loop_gain_{i + 1}"] = best if keep else 0.0
+        figures[f"calib_diff_bpb_{i + 1}"] = diff
+    figures["calib_gain_bpb"] = paired_difference(ref, first, count)[0]
+    return figures
