@@ -124,7 +124,7 @@ class Trainer:
             device=run.device,
             autocast=self._autocast,
             stop=self.stop,
-            max_batches=run.total_steps * cfg.training.gradient_accumulation_steps,
+            max_batches=run.total_steps * cfg.training.gradient_accumulation_steps // 10,
         )
         self.progress = Progress(
             self.state,

@@ -58,10 +58,16 @@ def default_dtype_guard():
 
 @pytest.fixture
 def in_process(monkeypatch):
-    """For a trainer built in this process: the repo as cwd, and the package logger restored after
-    (its handler would otherwise keep writing to this test's captured stdout)."""
+    """For a trainer built in this process: the repo as cwd, one intra-op thread as the subprocess runs
+    have (``OMP_NUM_THREADS=1``, tests/utils.py), so a run here and one in a subprocess compute the
+    same floats whatever an earlier test left the thread count at, and the package logger restored
+    after (its handler would otherwise keep writing to this test's captured stdout)."""
     monkeypatch.chdir(REPO)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     log = logging.getLogger("spider_titan")
     monkeypatch.setattr(log, "handlers", [])
     monkeypatch.setattr(log, "level", log.level)
     monkeypatch.setattr(log, "propagate", log.propagate)
+    yield
+    torch.set_num_threads(threads)

@@ -344,8 +344,8 @@ class Calibration:
     such settings skip it, and so does a run with no validation, checkpoint or export to read it."""
     steps: int = ranged(32, low=1)
     """Batches of ``training.local_batch_size`` per rank, the ones training would read next (its own
-    position does not move), at most as many as the run trained on; the model is scored on them
-    once per candidate setting (Spider: 1 + 3 per loop past ``n_loops``)."""
+    position does not move), at most a tenth of the micro-batches the run trained on; the model is
+    scored on them once per candidate setting (Spider: 1 + 3 per loop past ``n_loops``)."""
 
 
 @dataclass

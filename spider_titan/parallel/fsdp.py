@@ -240,6 +240,16 @@ def apply_forward_prefetch(units_in_order: list[tuple[str, nn.Module]], owners: 
     return pairs
 
 
+def reshard_after_eval(model: nn.Module) -> None:
+    """Free what an eval pass (validation, calibration) left gathered: with no backward to follow, the
+    units that keep their parameters after forward (the root; the core when it fits) stay unsharded,
+    and the finite check, the final save and the export read the sharded parameters (under fp8
+    all-gather an unsharded one is a float8 tensor that most ops refuse). No-op without FSDP."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextmanager
 def maybe_no_grad_sync(model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
     """Around one micro-batch's forward and backward: no gradient reduce-scatter (nor HSDP

@@ -19,6 +19,7 @@ from torch import nn
 from spider_titan.config.job_config import Calibration
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.distributed import all_gather_cat
+from spider_titan.parallel.fsdp import reshard_after_eval
 from spider_titan.protocol import ModelSpec, window_cross_entropy
 from spider_titan.training.signals import StopSignal
 
@@ -31,8 +32,8 @@ class _Stopped(Exception):
 
 class Calibrator:
     """Runs ``spec.calibrate`` on the batches read ahead of ``train_loader`` (not consumed): ``cfg.steps``
-    of them, or ``max_batches`` (the micro-batches the run trained on) if fewer, so a short run does
-    not spend longer calibrating than training."""
+    of them, or ``max_batches`` if fewer (at least one). The trainer passes a tenth of the micro-batches
+    the run trained on, so a short run does not spend a noticeable share of its time calibrating."""
 
     def __init__(
         self,
@@ -91,6 +92,7 @@ class Calibrator:
                     b.copy_(saved[name])
             return None
         finally:
+            reshard_after_eval(self.model)
             self.model.train()
         if passes:  # a model with nothing to fit (Spider with ACT) scores nothing
             logger.info(

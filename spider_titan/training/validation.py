@@ -17,6 +17,7 @@ from torch import nn
 from spider_titan.config.job_config import Validation
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.distributed import all_reduce_sum
+from spider_titan.parallel.fsdp import reshard_after_eval
 from spider_titan.protocol import ModelSpec
 from spider_titan.training.health import NoLabelsError
 from spider_titan.training.progress import LN2
@@ -75,6 +76,13 @@ class Validator:
         not reported."""
         model = self.model
         model.eval()
+        try:
+            return self._passes(model)
+        finally:
+            reshard_after_eval(model)  # the last save and export read sharded parameters
+            model.train()
+
+    def _passes(self, model: nn.Module) -> dict[str, float] | None:
         results: dict[str, float] = {}
         for kwargs, suffixes in self.variant_groups():
             ce, n = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
@@ -83,7 +91,6 @@ class Validator:
             batches = 0
             for inputs, labels in self.batches():
                 if self.stop.requested():
-                    model.train()
                     return None
                 inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
                 with self.autocast():
@@ -112,7 +119,6 @@ class Validator:
                 results[f"val_bpb{suffix}"] = loss / LN2
             for j, key in enumerate(keys):
                 results[f"val_{key}"] = total[j + 3] / max(total[2], 1.0)
-        model.train()
         return results
 
 
