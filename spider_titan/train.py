@@ -98,33 +98,26 @@ class Trainer:
             saving=cfg.checkpoint.enable,
             command=self.command,
         )
+        # The model's eval passes: the same model, spec, device, precision and stop signal.
+        evals = dict(device=run.device, autocast=self._autocast, stop=self.stop)
         # Validation replays the same batches every time, from where its loader stands now.
         self.validator = (
             Validator(
-                run.model,
-                run.spec,
-                run.model_args,
-                run.val_loader,
-                cfg.validation,
-                device=run.device,
-                autocast=self._autocast,
-                stop=self.stop,
-                world_size=self.world_size,
+                run.model, run.spec, run.model_args, run.val_loader, cfg.validation, **evals, world_size=self.world_size
             )
             if run.val_loader is not None
             else None
         )
         # After the last step: eval-time settings fitted on the batches training would read next.
+        micro_batches = run.total_steps * cfg.training.gradient_accumulation_steps
         self.calibrator = Calibrator(
             run.model,
             run.spec,
             run.model_args,
             run.train_loader,
             cfg.calibration,
-            device=run.device,
-            autocast=self._autocast,
-            stop=self.stop,
-            max_batches=run.total_steps * cfg.training.gradient_accumulation_steps // 10,
+            **evals,
+            max_batches=micro_batches // 10,
         )
         self.progress = Progress(
             self.state,
