@@ -240,14 +240,22 @@ def apply_forward_prefetch(units_in_order: list[tuple[str, nn.Module]], owners: 
     return pairs
 
 
-def reshard_after_eval(model: nn.Module) -> None:
-    """Free what an eval pass (validation, calibration) left gathered: with no backward to follow, the
-    units that keep their parameters after forward (the root; the core when it fits) stay unsharded,
-    and the finite check, the final save and the export read the sharded parameters (under fp8
-    all-gather an unsharded one is a float8 tensor that most ops refuse). No-op without FSDP."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+@contextmanager
+def eval_pass(model: nn.Module) -> Iterator[None]:
+    """An eval pass of ``model`` between training steps (validation, calibration): eval mode and no
+    autograd inside; after it, training mode again and what the pass left gathered freed. With no
+    backward to follow, the FSDP units that keep their parameters after forward (the root; the core
+    when it fits) stay unsharded, and the finite check, the final save and the export read the sharded
+    parameters (under fp8 all-gather an unsharded one is a float8 tensor that most ops refuse)."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        model.train()
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from torch import nn
 from spider_titan.config.job_config import Calibration
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.distributed import all_gather_cat
-from spider_titan.parallel.fsdp import reshard_after_eval
+from spider_titan.parallel.fsdp import eval_pass
 from spider_titan.protocol import ModelSpec, window_cross_entropy
 from spider_titan.training.signals import StopSignal
 
@@ -82,18 +82,13 @@ class Calibrator:
             both = both.cpu()
             return both[:, 0], both[:, 1]
 
-        self.model.eval()
-        try:
-            with torch.no_grad():
+        with eval_pass(self.model):
+            try:
                 figures = self.spec.calibrate(self.model, self.model_args, score)
-        except _Stopped:
-            with torch.no_grad():
+            except _Stopped:
                 for name, b in self.model.named_buffers():
                     b.copy_(saved[name])
-            return None
-        finally:
-            reshard_after_eval(self.model)
-            self.model.train()
+                return None
         if passes:  # a model with nothing to fit (Spider with ACT) scores nothing
             logger.info(
                 "calibration: %d scoring passes over %d batches per rank in %.1f s",

@@ -17,7 +17,7 @@ from torch import nn
 from spider_titan.config.job_config import Validation
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.distributed import all_reduce_sum
-from spider_titan.parallel.fsdp import reshard_after_eval
+from spider_titan.parallel.fsdp import eval_pass
 from spider_titan.protocol import ModelSpec
 from spider_titan.training.health import NoLabelsError
 from spider_titan.training.progress import LN2
@@ -68,19 +68,13 @@ class Validator:
         self.loader.load_state_dict(self.start)
         return itertools.islice(iter(self.loader), max(self.cfg.steps, 1))
 
-    @torch.no_grad()
     def __call__(self) -> dict[str, float] | None:
         """``val_loss<variant>`` and ``val_bpb<variant>``; the plain variant also reports the model's own
         figures (``val_<aux key>``, means over the batches that hold labels). None when a stop signal
         came: it is checked before every batch (one CPU all-reduce), and a validation cut short is
         not reported."""
-        model = self.model
-        model.eval()
-        try:
-            return self._passes(model)
-        finally:
-            reshard_after_eval(model)  # the last save and export read sharded parameters
-            model.train()
+        with eval_pass(self.model):
+            return self._passes(self.model)
 
     def _passes(self, model: nn.Module) -> dict[str, float] | None:
         results: dict[str, float] = {}

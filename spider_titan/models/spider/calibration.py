@@ -58,19 +58,20 @@ def calibrate_extra_loops(model: nn.Module, args: SpiderArgs, score: WindowScore
         _, best, ce = min(tried, key=lambda t: t[0])
         diff, se = paired_difference(ce, ref, count)
         keep = diff < -Z * se
-        gains[i] = best if keep else 0.0
+        chosen = best if keep else 0.0
+        gains[i] = chosen
         if keep:
             ref = ce
         logger.info(
             "calibration: loop %d gain %g (best of %s: %+.5f +- %.5f bpb against leaving it out; %s)",
             i + 1,
-            best if keep else 0.0,
+            chosen,
             list(GAINS),
             diff,
             se,
             "kept" if keep else f"not {Z:g} standard errors better, left out",
         )
-        figures[f"loop_gain_{i + 1}"] = best if keep else 0.0
+        figures[f"loop_gain_{i + 1}"] = chosen
         figures[f"calib_diff_bpb_{i + 1}"] = diff
     figures["calib_gain_bpb"] = paired_difference(ref, first, count)[0]
     return figures
