@@ -251,7 +251,7 @@ def test_stage_init_scales_each_stage_and_starts_the_skip_at_zero():
     assert byte_w2.std().item() == pytest.approx(0.02 / math.sqrt(2 * (a.n_prelude + a.n_coda)), rel=0.1)
     want_core = 0.02 / math.sqrt(2 * (a.n_prelude + a.n_core * a.n_loops + a.n_coda))
     assert core_wo.std().item() == pytest.approx(want_core, rel=0.1)
-    assert build().residual_proj is None
+    assert build(stage_init=False).residual_proj is None
     # at the start the coda reads only the core's output: the prelude residual is cut
     ids = sample_ids(0)
     seen = {}

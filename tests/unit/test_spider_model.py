@@ -116,6 +116,7 @@ BOUNDARY_CONFIGS = {
         "halting": "act",
     },
     "fixed": {"boundary_predictor": "fixed"},
+    "no_stage_init": {"stage_init": False},  # the prelude residual added directly (the default before 2026-11-25)
     # H-Net's path (chunk = first byte, each byte reads its own chunk), alone and with every element
     "first": {"chunk_convention": "first"},
     "first_hnet_all": {
@@ -708,7 +709,9 @@ def test_segment_bucket_changes_nothing_but_the_core_shape(config, n_loops):
         torch.testing.assert_close(b_eval.aux[key], a_eval.aux[key], rtol=1e-6, atol=1e-6, msg=key)
     assert sorted(b_grads) == sorted(a_grads)
     for name, g in a_grads.items():
-        torch.testing.assert_close(b_grads[name], g, **exact, msg=name)
+        # relative to the tensor's largest entry: residual_proj's gradient (a sum over every byte) reaches ~1e3
+        scale = max(1.0, g.abs().max().item())
+        torch.testing.assert_close(b_grads[name], g, rtol=1e-6, atol=1e-6 * scale, msg=name)
 
 
 def test_segment_bucket_rounds_up_and_stops_at_the_sequence_length():

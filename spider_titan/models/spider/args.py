@@ -164,12 +164,15 @@ class SpiderArgs:
     """H-Net's dechunk smoothing: before the upsample, the core outputs become an EMA over segments,
     ``out_k = P_k y_k + (1 - P_k) out_{k-1}``, P_k the probability of the boundary that opened
     segment k (1 where it was forced); causal, computed in closed form."""
-    stage_init: bool = False
+    stage_init: bool = True
     """H-Net's stage-aware initialisation: residual outputs of the byte blocks scaled by the byte
     stages' own depth (``0.02 / sqrt(2 (n_prelude + n_coda))``), the core's by the whole depth; the
     prelude residual reaches the coda through ``residual_proj``, a zero-initialised dim x dim
     projection (H-Net's fp32 residual), and ``up_proj`` starts at the identity (H-Net's dechunk
-    has no projection), so at the start the coda reads only the core's output."""
+    has no projection), so at the start the coda reads only the core's output. On by default since
+    2026-11-25: at equal training FLOPs it won 7 of 8 runs (debug and ``small``, built-in corpus and
+    prose, two seeds; docs/experiments.md, "Stage-aware init as the default"). False: the model
+    before (residual projections by the whole depth, the prelude residual added directly)."""
     boundary_temperature: float = 0.5
     """Temperature of the relaxed-Bernoulli (Gumbel-sigmoid) boundary samples (``boundary_noise = "gumbel"``)."""
     segment_bucket: int = 0
@@ -343,7 +346,7 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
-    # = 993.8 M (test_spider_params_flops pins it to 996 M +- 1 %).
+    # = 993.8 M, and stage_init's residual_proj 4.2 M (test_spider_params_flops pins it to 996 M +- 1 %).
     "1B": SpiderArgs(
         dim=2048,
         n_heads=16,
