@@ -122,7 +122,9 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
             }
         assert sorted(grads[False]) == sorted(grads[True]) and len(grads[False]) > 10
         for name, want in grads[False].items():
-            torch.testing.assert_close(grads[True][name], want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+            # relative to the tensor's largest entry: residual_proj's first-step gradient reaches ~1e3
+            atol = 1e-7 * max(1.0, want.abs().max().item())
+            torch.testing.assert_close(grads[True][name], want, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
         if rank == 0:
             Path(out).write_text(
                 json.dumps(
