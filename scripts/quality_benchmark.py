@@ -56,6 +56,7 @@ HNET = {
     "stage_lr": (STAGE_LR, "per-stage learning rates: byte stages 2x"),
 }
 HNET_ALL = tuple(o for overrides, _ in HNET.values() for o in overrides)
+HNET_PATH = tuple(o for name, (overrides, _) in HNET.items() if name != "stage_lr" for o in overrides)
 # Elements the shipped defaults already have (chosen by measurement, docs/experiments.md): the overrides that
 # take each one out, for its "alone" row (the shipped model without it) and its "all but one" row
 HNET_SHIPPED = {"stage_init": ("--model.stage_init", "false")}
@@ -186,6 +187,17 @@ RUNS = [
             f"H-Net's chunking path without: {what}",
         )
         for name, (_, what) in HNET.items()
+    ),
+    # H-Net's path without the per-stage learning rates (spider_hnet_all_minus_stage_lr) at other ratio-loss
+    # weights: with 0.03 its segments drifted to 2.5 bytes on prose at debug (docs/experiments.md)
+    *(
+        Run(
+            f"spider_hnet_path_ratio{name}",
+            SPIDER_CONFIG,
+            HNET_PATH + ("--model.boundary_coeff", weight),
+            f"H-Net's chunking path without the per-stage learning rates, ratio-loss weight {weight}",
+        )
+        for name, weight in (("01", "0.1"), ("1", "1.0"))
     ),
     Run(
         "spider_hnet_all_sampled",
