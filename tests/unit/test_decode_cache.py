@@ -11,6 +11,7 @@ import torch
 from spider_titan.models.spider import SPIDER_FLAVORS, Spider
 from spider_titan.models.spider.decode import decode, new_cache
 from spider_titan.vocab import BOS_ID
+from tests.unit.test_spider_model import MEAN_PATH
 
 TEXT = (
     b"Spider reads bytes. A learned boundary closes a segment; the core loops over segments, "
@@ -45,10 +46,10 @@ HNET_PATH = dict(chunk_convention="first", dechunk_smoothing=True, boundary_conf
 @pytest.mark.parametrize(
     "predictor, n_loops, options",
     [
-        ("cosine", 1, {}),
-        ("cosine", 3, {}),
-        ("fixed", 2, {}),
-        ("space", 2, {}),
+        ("cosine", 1, MEAN_PATH),
+        ("cosine", 3, MEAN_PATH),
+        ("fixed", 2, MEAN_PATH),
+        ("space", 2, MEAN_PATH),
         ("cosine", 2, HNET_PATH),
         ("space", 2, dict(chunk_convention="first")),
     ],

@@ -29,7 +29,7 @@ from spider_titan.models.spider.segmentation import (
 from spider_titan.optim.lr_schedulers import build_lr_scheduler, cosine_decay
 from spider_titan.optim.optimizers import build_adamw, build_muon, lr_factor
 from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID
-from tests.unit.test_spider_model import build, reference_boundaries, sample_ids
+from tests.unit.test_spider_model import MEAN_PATH, build, reference_boundaries, sample_ids
 
 
 def ragged_ids(seed: int, B: int = 3, T: int = 48) -> torch.Tensor:
@@ -60,10 +60,12 @@ def lm_backward(model, ids: torch.Tensor) -> None:
         ({"chunk_convention": "first"}, False),
         ({"boundary_confidence": True}, True),
         ({"boundary_confidence": True, "chunk_convention": "first"}, True),
+        ({"boundary_confidence": True, "chunk_convention": "first", "dechunk_smoothing": True}, True),  # H-Net's path
     ],
 )
 def test_lm_gradient_reaches_the_router_only_with_the_confidence_ste(options, reaches):
-    model = build(boundary_coeff=0.0, **options).train()  # no boundary loss: only the LM loss is left
+    # no boundary loss: only the LM loss is left; each case from our path, with the options it names
+    model = build(boundary_coeff=0.0, **{**MEAN_PATH, **options}).train()
     lm_backward(model, ragged_ids(1))
     grads = [p.grad for p in model.boundary_predictor.parameters()]
     total = sum(0.0 if g is None else g.abs().sum().item() for g in grads)
@@ -77,7 +79,7 @@ def test_confidence_ste_changes_no_value():
     """Value exactly 1: the same weights give the same logits and losses with and without it."""
     ids = ragged_ids(2)
     with torch.no_grad():
-        plain = build(seed=4).train()(ids)
+        plain = build(seed=4, boundary_confidence=False).train()(ids)
         conf = build(seed=4, boundary_confidence=True).train()(ids)
     torch.testing.assert_close(conf.logits, plain.logits, rtol=0, atol=0)
     torch.testing.assert_close(conf.aux_loss, plain.aux_loss, rtol=0, atol=0)
@@ -243,7 +245,7 @@ def test_space_boundaries_match_a_python_reference(chunk_start):
 
 def test_stage_init_scales_each_stage_and_starts_the_skip_at_zero():
     a = build(stage_init=True).args
-    model = build(stage_init=True)
+    model = build(stage_init=True, **MEAN_PATH)
     assert torch.equal(model.residual_proj.weight, torch.zeros_like(model.residual_proj.weight))
     assert torch.equal(model.up_proj.weight, torch.eye(a.dim))
     byte_w2 = torch.cat([b.feed_forward.w2.weight.flatten() for b in [*model.prelude.layers, *model.coda.layers]])

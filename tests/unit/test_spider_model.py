@@ -19,6 +19,11 @@ from spider_titan.models.spider.segmentation import downsample, segment_bytes, u
 from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 DEBUG = SPIDER_FLAVORS["debug"]
+# Our chunking path (segment means, each byte reads the segment before its own, no confidence factor,
+# no smoothing; the defaults), named where a test is about it, so a change of default cannot make the
+# test vacuous (under a trial default of H-Net's path, 2026-11-25, two tests here and in
+# test_spider_hnet.py passed without testing what they name and five others failed)
+MEAN_PATH = {"chunk_convention": "mean", "boundary_confidence": False, "dechunk_smoothing": False}
 _pad = torch.nn.functional.pad
 
 
@@ -115,7 +120,7 @@ BOUNDARY_CONFIGS = {
         "boundary_ste": True,
         "halting": "act",
     },
-    "fixed": {"boundary_predictor": "fixed"},
+    "fixed": {"boundary_predictor": "fixed", **MEAN_PATH},
     "no_stage_init": {"stage_init": False},  # the prelude residual added directly (the default before 2026-11-25)
     # H-Net's path (chunk = first byte, each byte reads its own chunk), alone and with every element
     "first": {"chunk_convention": "first"},
@@ -125,7 +130,7 @@ BOUNDARY_CONFIGS = {
         "dechunk_smoothing": True,
         "stage_init": True,
     },
-    "mean_hnet_all": {"boundary_confidence": True, "dechunk_smoothing": True, "stage_init": True},
+    "mean_hnet_all": {"chunk_convention": "mean", "boundary_confidence": True, "dechunk_smoothing": True},
     "first_fixed": {"boundary_predictor": "fixed", "chunk_convention": "first"},
     "space": {"boundary_predictor": "space"},
     "space_first": {"boundary_predictor": "space", "chunk_convention": "first"},
@@ -135,7 +140,10 @@ BOUNDARY_CONFIGS = {
 @pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_causality(monkeypatch, predictor, train):
-    config = {"chunk_convention": "first"} if predictor == "content_first" else BOUNDARY_CONFIGS.get(predictor, {})
+    # the forced predictors with either convention: ragged segments under both read only the past
+    config = (
+        {"chunk_convention": "first"} if predictor == "content_first" else BOUNDARY_CONFIGS.get(predictor, MEAN_PATH)
+    )
     model = build(seed=1, **config)
     randomize_engram_tables(model)
     if predictor in ("content", "content_first"):
@@ -152,13 +160,13 @@ def test_causality(monkeypatch, predictor, train):
 
 
 def test_causality_check_catches_a_missing_shift(monkeypatch):
-    """The same check flags a model whose upsample lets a byte read its own segment."""
+    """The same check flags a model of the mean convention whose upsample lets a byte read its own segment."""
 
     def leaky_upsample(y, seg):
         own = seg.seg_id[:, :, None] == torch.arange(seg.num_segments)[None, None, :]
         return torch.bmm(own.to(y.dtype), y)
 
-    model = build(seed=1)
+    model = build(seed=1, **MEAN_PATH)
     monkeypatch.setattr(spider_model, "upsample", leaky_upsample)
     gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
     assert max(before for _, before, _ in gaps) > 1e-3
@@ -473,7 +481,8 @@ def test_early_exit_when_halting_saturates():
 
 
 def test_backward_reaches_boundary_predictor_through_ste():
-    model = build(boundary_coeff=0.0, boundary_ste=True).train()  # only the straight-through path is left
+    # only the straight-through path is left (no boundary loss, no confidence factor)
+    model = build(boundary_coeff=0.0, boundary_ste=True, boundary_confidence=False).train()
     ids = sample_ids(1)
     torch.manual_seed(0)
     out = model(ids, labels=torch.roll(ids, -1, dims=1))
