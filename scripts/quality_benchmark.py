@@ -197,7 +197,7 @@ RUNS = [
             HNET_PATH + ("--model.boundary_coeff", weight),
             f"H-Net's chunking path without the per-stage learning rates, ratio-loss weight {weight}",
         )
-        for name, weight in (("01", "0.1"), ("1", "1.0"))
+        for name, weight in (("01", "0.1"), ("03", "0.3"), ("1", "1.0"))
     ),
     Run(
         "spider_hnet_all_sampled",
