@@ -55,8 +55,14 @@ HNET = {
     "stage_init": (("--model.stage_init", "true"), "stage-aware init"),
     "stage_lr": (STAGE_LR, "per-stage learning rates: byte stages 2x"),
 }
-HNET_ALL = tuple(o for overrides, _ in HNET.values() for o in overrides)
-HNET_PATH = tuple(o for name, (overrides, _) in HNET.items() if name != "stage_lr" for o in overrides)
+
+
+def hnet_without(*names: str) -> tuple[str, ...]:
+    """The overrides of H-Net's chunking path, less the elements named."""
+    return tuple(o for name, (overrides, _) in HNET.items() if name not in names for o in overrides)
+
+
+HNET_ALL = hnet_without()
 # Elements the shipped defaults already have (chosen by measurement, docs/experiments.md): the overrides that
 # take each one out, for its "alone" row (the shipped model without it) and its "all but one" row
 HNET_SHIPPED = {"stage_init": ("--model.stage_init", "false")}
@@ -182,8 +188,7 @@ RUNS = [
         Run(
             f"spider_hnet_all_minus_{name}",
             SPIDER_CONFIG,
-            tuple(o for other, (overrides, _) in HNET.items() if other != name for o in overrides)
-            + HNET_SHIPPED.get(name, ()),
+            hnet_without(name) + HNET_SHIPPED.get(name, ()),
             f"H-Net's chunking path without: {what}",
         )
         for name, (_, what) in HNET.items()
@@ -194,7 +199,7 @@ RUNS = [
         Run(
             f"spider_hnet_path_ratio{name}",
             SPIDER_CONFIG,
-            HNET_PATH + ("--model.boundary_coeff", weight),
+            hnet_without("stage_lr", "ratio003") + ("--model.boundary_coeff", weight),
             f"H-Net's chunking path without the per-stage learning rates, ratio-loss weight {weight}",
         )
         for name, weight in (("01", "0.1"), ("03", "0.3"), ("1", "1.0"))
