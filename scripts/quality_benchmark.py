@@ -205,6 +205,13 @@ RUNS = [
         for name, weight in (("01", "0.1"), ("03", "0.3"), ("1", "1.0"))
     ),
     Run(
+        "spider_hnet_path_band",
+        SPIDER_CONFIG,
+        hnet_without("stage_lr", "ratio003") + ("--model.boundary_band", "0.2"),
+        "H-Net's chunking path without the per-stage learning rates, ratio loss (weight 1.0) with a dead zone: "
+        "no pull within 4 +- 20 % bytes per segment",
+    ),
+    Run(
         "spider_hnet_all_sampled",
         SPIDER_CONFIG,
         HNET_ALL + SAMPLED_LOOPS,

@@ -136,6 +136,11 @@ class SpiderArgs:
     boundary_loss: Literal["ratio", "hinge"] = "ratio"
     """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
     FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
+    boundary_band: float = 0.0
+    """Dead zone of the ratio loss, relative to ``target_bytes_per_segment``: a row whose bytes per
+    segment lie within ``target * (1 +- band)`` gets no gradient from it (the LM gradient alone places
+    its boundaries, with ``boundary_confidence``), a row outside is pulled to the band's nearest edge.
+    0: the plain ratio loss, pulling to the target from any rate."""
     boundary_noise: Literal["none", "gumbel"] = "none"
     """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
     training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
@@ -263,6 +268,16 @@ class SpiderArgs:
             out.append(
                 f"target_bytes_per_segment: {self.target_bytes_per_segment} must be > 1 for boundary_loss = 'ratio' "
                 "(its N/(N-1) factor); use 'hinge' or a larger target"
+            )
+        if not 0.0 <= self.boundary_band < 1.0:
+            out.append(f"boundary_band: {self.boundary_band} must be in [0, 1) (0: no dead zone)")
+        elif self.boundary_band and self.boundary_loss != "ratio":
+            out.append(f"boundary_band: {self.boundary_band} applies to boundary_loss = 'ratio' only (it is 'hinge')")
+        elif self.target_bytes_per_segment * (1.0 - self.boundary_band) <= 1.0:
+            out.append(
+                f"boundary_band: {self.boundary_band} puts the band's lower edge at "
+                f"{self.target_bytes_per_segment * (1.0 - self.boundary_band):g} bytes per segment; the ratio loss "
+                "needs it > 1 (a narrower band or a larger target)"
             )
         if self.loop_init_std < 0:
             out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")

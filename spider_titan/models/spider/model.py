@@ -261,7 +261,7 @@ class Spider(nn.Module):
         if self.boundary_predictor is None:
             b_loss = x.new_zeros((), dtype=torch.float32)
         else:
-            b_loss = boundary_loss(seg, a.target_bytes_per_segment, a.boundary_loss)
+            b_loss = boundary_loss(seg, a.target_bytes_per_segment, a.boundary_loss, a.boundary_band)
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss + a.ponder_coeff * core.ponder_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
         real_bytes = (input_ids != PAD_ID).sum().float()

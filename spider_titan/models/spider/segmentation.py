@@ -37,7 +37,8 @@ Conventions
   index of byte t, and the pooling weights carry ``1 + c_t`` (value exactly 1) at byte t, so
   gradients reach the predictor through both the downsample and the upsample while the forward
   pass is exactly hard.
-* Objective (``boundary_loss``): H-Net's two-sided ratio loss (default) or the FlexiTokens hinge.
+* Objective (``boundary_loss``): H-Net's two-sided ratio loss (default) or the FlexiTokens hinge;
+  ``boundary_band`` turns the ratio loss into a dead zone around the target.
 * Downsample: a segment is the mean of its bytes, by a scatter-add of the weighted byte states
   into their segment (O(T * dim) memory; the (B, S, T) matrix of the first version is gone and a
   test checks values and gradients against it within 1e-6). Upsample: byte t reads the core output
@@ -448,8 +449,11 @@ def space_boundary_logits(input_ids: torch.Tensor, *, chunk_start: bool) -> torc
     return torch.where(ends, 30.0, -30.0).float()
 
 
-def boundary_loss(seg: Segmentation, target_bytes_per_segment: float, kind: str = "ratio") -> torch.Tensor:
-    """The boundary objective, a mean over rows (``kind`` is ``SpiderArgs.boundary_loss``).
+def boundary_loss(
+    seg: Segmentation, target_bytes_per_segment: float, kind: str = "ratio", band: float = 0.0
+) -> torch.Tensor:
+    """The boundary objective, a mean over rows (``kind`` is ``SpiderArgs.boundary_loss``,
+    ``band`` ``SpiderArgs.boundary_band``).
 
     ``G`` is the mean predictor probability p_t over the positions it decides (real bytes that
     are not BOS/EOS or next to a PAD run): smooth in the predictor's parameters.
@@ -461,6 +465,10 @@ def boundary_loss(seg: Segmentation, target_bytes_per_segment: float, kind: str 
       bytes per segment. Its gradient in G is ``N/(N-1) (N F - 1)``: it lowers p while F > 1/N and
       raises it while F < 1/N, so it holds the compression at N from both sides (minimum 1 at
       F = G = 1/N).
+    * ``band`` > 0 (ratio only): a dead zone. Each row's N is its own rate 1/F clamped to
+      ``[N (1 - band), N (1 + band)]`` (no gradient), so inside the band the row sits at its own
+      loss minimum (value 1, gradient 0: the LM gradient alone places the boundaries) and outside
+      it the ratio loss pulls towards the nearest edge of the band.
 
     F and G are per row and the loss is their mean over rows, so it needs no sum over ranks to be
     split-invariant: a row never straddles ranks, every rank holds the same number of rows, and
@@ -476,4 +484,6 @@ def boundary_loss(seg: Segmentation, target_bytes_per_segment: float, kind: str 
         return torch.relu(G - 1.0 / N).mean()
     real = seg.real_bytes.float()
     F_ = ((seg.boundaries.float() * real).sum(dim=1) / real.sum(dim=1).clamp(min=1.0)).detach()
+    if band > 0.0:
+        N = (1.0 / F_.clamp(min=1e-6)).clamp(N * (1.0 - band), N * (1.0 + band))
     return (N / (N - 1.0) * ((N - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))).mean()
