@@ -662,6 +662,44 @@ def test_boundary_objectives(kind):
         assert grads[0] == 0 < grads[1]
 
 
+def test_boundary_band_dead_zone():
+    """boundary_band: a row inside target * (1 +- band) gets value 1 and no gradient; a row outside gets
+    the ratio loss aimed at the band's nearest edge (compared with the plain loss at that target), so
+    it is pulled back towards the band."""
+    from spider_titan.models.spider.segmentation import boundary_loss
+
+    T = 480
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grad(every, target, band):  # a boundary every `every` bytes, p = 0.3 where decided
+        logits = torch.full((1, T), torch.logit(torch.tensor(0.3)).item(), requires_grad=True)
+        seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=T)
+        seg.boundaries = (torch.arange(T)[None] % every == every - 1) | seg.boundaries & ~seg.decided
+        loss = boundary_loss(seg, target, "ratio", band)
+        loss.backward()
+        return loss.detach(), logits.grad
+
+    # 5, 4 and 3 bytes per segment (T is a multiple of each) lie inside 4 +- 25 %, edges included
+    for every in (5, 4, 3):
+        loss, grad = loss_and_grad(every, 4.0, 0.25)
+        plain_grad = loss_and_grad(every, 4.0, 0.0)[1]
+        torch.testing.assert_close(loss, torch.tensor(1.0))
+        assert grad.abs().max() < 1e-6
+        assert (plain_grad.abs().max() > 1e-4) == (every != 4)  # the plain loss pulls off the target
+    # outside the band: the plain loss at the nearest edge, pulling back (p down when too many boundaries)
+    for every, edge in ((2, 3.0), (8, 5.0)):
+        loss, grad = loss_and_grad(every, 4.0, 0.25)
+        ref, ref_grad = loss_and_grad(every, edge, 0.0)
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(grad, ref_grad)
+        assert (grad.sum() > 0) == (every == 2)  # descending lowers p when segments are too short
+    args = dataclasses.replace(DEBUG, boundary_band=0.2)
+    assert args.validate() == []
+    for bad, word in (({"boundary_band": 1.0}, "[0, 1)"), ({"boundary_band": 0.2, "boundary_loss": "hinge"}, "ratio")):
+        assert any(word in p for p in dataclasses.replace(DEBUG, **bad).validate())
+    assert any("lower edge" in p for p in dataclasses.replace(DEBUG, boundary_band=0.8).validate())
+
+
 def test_eval_variants():
     from spider_titan.models.spider import SPIDER_SPEC
 

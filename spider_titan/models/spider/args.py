@@ -341,6 +341,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "loop_tail": 0.1,
     "loop_step_size": False,
     "extra_loop_gains": False,
+    "boundary_band": 0.0,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
