@@ -51,7 +51,10 @@ HNET = {
     "confidence": (("--model.boundary_confidence", "true"), "confidence-weighted STE (LM gradient to the router)"),
     "smoothing": (("--model.dechunk_smoothing", "true"), "EMA smoothing in the dechunk"),
     "first": (("--model.chunk_convention", "first"), "chunk convention: first byte, own-chunk upsample"),
-    "ratio003": (("--model.boundary_coeff", "0.03"), "ratio-loss weight 0.03"),
+    "ratio003": (
+        ("--model.boundary_coeff", "0.03", "--model.boundary_band", "0"),
+        "ratio-loss weight 0.03, no dead zone",
+    ),
     "stage_init": (("--model.stage_init", "true"), "stage-aware init"),
     "stage_lr": (STAGE_LR, "per-stage learning rates: byte stages 2x"),
 }
@@ -65,7 +68,30 @@ def hnet_without(*names: str) -> tuple[str, ...]:
 HNET_ALL = hnet_without()
 # Elements the shipped defaults already have (chosen by measurement, docs/experiments.md): the overrides that
 # take each one out, for its "alone" row (the shipped model without it) and its "all but one" row
-HNET_SHIPPED = {"stage_init": ("--model.stage_init", "false")}
+HNET_SHIPPED = {
+    "confidence": ("--model.boundary_confidence", "false"),
+    "smoothing": ("--model.dechunk_smoothing", "false"),
+    "first": ("--model.chunk_convention", "mean"),
+    "stage_init": ("--model.stage_init", "false"),
+}
+# Fixed segments as measured since 2026-11-23: the mean convention (a chunk the mean of its bytes, byte t reads the
+# chunk before its own), which beats H-Net's chunk-start convention with fixed segments (docs/experiments.md), and
+# no confidence factor or smoothing (with no predictor they change nothing but the counted FLOPs)
+FIXED = (
+    "--model.boundary_predictor",
+    "fixed",
+    "--model.chunk_convention",
+    "mean",
+    "--model.boundary_confidence",
+    "false",
+    "--model.dechunk_smoothing",
+    "false",
+)
+# The shipped dead zone of the ratio loss taken out (the ratio loss pulling to the target from any rate)
+NO_BAND = ("--model.boundary_band", "0")
+# The model before H-Net's path became the default (2026-11-26): stage-aware init, mean chunks, no
+# confidence factor or smoothing, the plain ratio loss
+PRE_PATH = tuple(o for name in ("confidence", "smoothing", "first") for o in HNET_SHIPPED[name]) + NO_BAND
 SAMPLED_LOOPS = (
     "--model.loop_sampling",
     "poisson_lognormal",
@@ -112,8 +138,8 @@ RUNS = [
     Run(
         "spider_fixed_segments",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed"),
-        "segments of exactly target_bytes_per_segment bytes (no learned boundaries)",
+        FIXED,
+        "segments of exactly target_bytes_per_segment bytes (no learned boundaries), mean chunks",
     ),
     Run("spider_no_engram", SPIDER_CONFIG, ("--model.engram_layers", "[]"), "no Engram memory"),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
@@ -162,22 +188,30 @@ RUNS = [
             "act",
             "--model.stage_init",
             "false",
+            *PRE_PATH,
         ),
         "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT",
     ),
     Run(
         "spider_fixed_stage_lr",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR),
+        (*FIXED, *STAGE_LR),
         "fixed 4-byte segments with H-Net's per-stage learning rates (the baseline for spider_hnet_all)",
     ),
-    # H-Net's chunking path (issue 21): each element alone (a shipped one: the defaults without it), all
-    # together, all but one
-    *(
-        Run(f"spider_hnet_{name}", SPIDER_CONFIG, overrides, f"H-Net {what}")
-        for name, (overrides, what) in HNET.items()
-        if name not in HNET_SHIPPED
+    # H-Net's chunking path (issue 21): each element alone on the model before the path (stage-aware init
+    # alone: that model without it), the shipped model without each, all together, all but one
+    Run(
+        "spider_pre_path",
+        SPIDER_CONFIG,
+        PRE_PATH,
+        "the model before H-Net's path was the default: stage-aware init, mean chunks, plain ratio loss",
     ),
+    *(
+        Run(f"spider_hnet_{name}", SPIDER_CONFIG, PRE_PATH + overrides, f"H-Net {what} alone (on spider_pre_path)")
+        for name, (overrides, what) in HNET.items()
+        if name != "stage_init"
+    ),
+    Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
     *(
         Run(f"spider_no_{name}", SPIDER_CONFIG, HNET_SHIPPED[name], f"shipped defaults without H-Net's {what}")
         for name, (_, what) in HNET.items()
@@ -199,7 +233,7 @@ RUNS = [
         Run(
             f"spider_hnet_path_ratio{name}",
             SPIDER_CONFIG,
-            hnet_without("stage_lr", "ratio003") + ("--model.boundary_coeff", weight),
+            hnet_without("stage_lr", "ratio003") + ("--model.boundary_coeff", weight) + NO_BAND,
             f"H-Net's chunking path without the per-stage learning rates, ratio-loss weight {weight}",
         )
         for name, weight in (("01", "0.1"), ("03", "0.3"), ("1", "1.0"))
@@ -209,7 +243,7 @@ RUNS = [
         SPIDER_CONFIG,
         hnet_without("stage_lr", "ratio003") + ("--model.boundary_band", "0.2"),
         "H-Net's chunking path without the per-stage learning rates, ratio loss (weight 1.0) with a dead zone: "
-        "no pull within 4 +- 20 % bytes per segment",
+        "no pull within 4 +- 20 % bytes per segment (the shipped defaults since 2026-11-26, named)",
     ),
     Run(
         "spider_hnet_all_sampled",
@@ -220,7 +254,7 @@ RUNS = [
     Run(
         "spider_fixed_stage_lr_invariant_loops",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_LOOPS),
+        (*FIXED, *STAGE_LR, *INVARIANT_LOOPS),
         "spider_fixed_stage_lr with sampled, time-invariant loops (no per-loop LoRA or loop embedding)",
     ),
     Run(
@@ -232,7 +266,7 @@ RUNS = [
     Run(
         "spider_fixed_stage_lr_normed_loops",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR, *NORMED_LOOPS),
+        (*FIXED, *STAGE_LR, *NORMED_LOOPS),
         "spider_fixed_stage_lr_invariant_loops with the state RMS-normalised after every loop",
     ),
     Run(
@@ -244,7 +278,7 @@ RUNS = [
     Run(
         "spider_fixed_stage_lr_normed_loops_full",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR, *NORMED_LOOPS_FULL),
+        (*FIXED, *STAGE_LR, *NORMED_LOOPS_FULL),
         "spider_fixed_stage_lr_normed_loops with backprop through every loop",
     ),
     Run(
@@ -256,13 +290,13 @@ RUNS = [
     Run(
         "spider_fixed_stage_lr_invariant_full",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_FULL),
+        (*FIXED, *STAGE_LR, *INVARIANT_FULL),
         "spider_fixed_stage_lr with sampled, time-invariant loops, full backprop, h_0 = 0",
     ),
     Run(
         "spider_fixed_stage_lr_invariant_full_normed",
         SPIDER_CONFIG,
-        ("--model.boundary_predictor", "fixed", *STAGE_LR, *INVARIANT_FULL, *STATE_NORM),
+        (*FIXED, *STAGE_LR, *INVARIANT_FULL, *STATE_NORM),
         "spider_fixed_stage_lr_invariant_full with the state RMS-normalised after every loop",
     ),
     Run(

@@ -695,9 +695,9 @@ def test_boundary_band_dead_zone():
         assert (grad.sum() > 0) == (every == 2)  # descending lowers p when segments are too short
     args = dataclasses.replace(DEBUG, boundary_band=0.2)
     assert args.validate() == []
-    for bad, word in (({"boundary_band": 1.0}, "[0, 1)"), ({"boundary_band": 0.2, "boundary_loss": "hinge"}, "ratio")):
-        assert any(word in p for p in dataclasses.replace(DEBUG, **bad).validate())
+    assert any("[0, 1)" in p for p in dataclasses.replace(DEBUG, boundary_band=1.0).validate())
     assert any("lower edge" in p for p in dataclasses.replace(DEBUG, boundary_band=0.8).validate())
+    assert dataclasses.replace(DEBUG, boundary_band=0.8, boundary_loss="hinge").validate() == []  # the hinge ignores it
 
 
 def test_eval_variants():

@@ -130,17 +130,21 @@ class SpiderArgs:
     boundary_predictor: Literal["cosine", "mlp", "fixed", "space"] = "cosine"
     """``cosine``: H-Net routing, p_t = (1 - cos(q_t, k_{t-1})) / 2 of projected adjacent prelude
     states; ``mlp``: FlexiTokens' Linear-GELU-Linear logit; ``fixed``: no predictor, a boundary
-    every round(target_bytes_per_segment) bytes (an ablation); ``space``: no predictor, SpaceByte's
+    every round(target_bytes_per_segment) bytes (an ablation; measured best with ``chunk_convention =
+    "mean"``, which the default ``first`` is not); ``space``: no predictor, SpaceByte's
     rule, a segment ends at a space or punctuation byte that follows a letter, digit or non-ASCII
     byte (still cut at ``max_segment_bytes``; a baseline)."""
     boundary_loss: Literal["ratio", "hinge"] = "ratio"
     """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
     FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
-    boundary_band: float = 0.0
-    """Dead zone of the ratio loss, relative to ``target_bytes_per_segment``: a row whose bytes per
+    boundary_band: float = 0.2
+    """Dead zone of the ratio loss (``boundary_loss = "ratio"``; the hinge ignores it), relative to ``target_bytes_per_segment``: a row whose bytes per
     segment lie within ``target * (1 +- band)`` gets no gradient from it (the LM gradient alone places
     its boundaries, with ``boundary_confidence``), a row outside is pulled to the band's nearest edge.
-    0: the plain ratio loss, pulling to the target from any rate."""
+    0: the plain ratio loss, pulling to the target from any rate. 0.2 by default since 2026-11-26 (with
+    H-Net's path, below): H-Net's ratio weight 0.03 let the LM gradient shrink segments to 2.5 bytes on
+    prose at debug, weight 1.0 everywhere held 4 bytes but lost at ``small`` on the built-in corpus; the
+    band keeps the rate within 3.2-4.8 and the freedom inside (docs/experiments.md, "A dead zone")."""
     boundary_noise: Literal["none", "gumbel"] = "none"
     """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
     training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
@@ -151,24 +155,30 @@ class SpiderArgs:
     against drifts of the score. False: the raw score's p >= 0.5 (H-Net's rule as published)."""
     boundary_ste: bool = False
     """True: the LM loss also trains the predictor (and, through it, the prelude) by the
-    straight-through segment index (segmentation.py). False: the predictor reads the prelude
-    detached and only the boundary loss trains it. Off by default: at debug scale it bought no
-    measurable bpb and made the boundary rate noisier (docs/experiments.md)."""
-    boundary_confidence: bool = False
+    straight-through segment index (segmentation.py). False: the segment index carries no gradient;
+    with ``boundary_confidence`` also off the predictor reads the prelude detached and only the boundary
+    loss trains it. Off by default: at debug scale it bought no measurable bpb and made the boundary rate
+    noisier (docs/experiments.md); the LM gradient reaches the predictor through H-Net's confidence factor
+    (``boundary_confidence``, on by default)."""
+    boundary_confidence: bool = True
     """H-Net's confidence-weighted straight-through estimator: each byte's upsampled core output is
     multiplied by ``1 + c - c.detach()`` (value 1), c the probability of the boundary choice that
     decided which segment the byte reads (p where a boundary was chosen, 1 - p where not), so the
     LM loss trains the predictor; the predictor then reads the prelude undetached (as with
-    ``boundary_ste``) and ``dechunk_smoothing`` passes the LM gradient to it too."""
-    chunk_convention: Literal["mean", "first"] = "mean"
+    ``boundary_ste``) and ``dechunk_smoothing`` passes the LM gradient to it too. On by default since
+    2026-11-26, with ``dechunk_smoothing``, ``chunk_convention = "first"`` and ``boundary_band`` (H-Net's
+    path: the three work as a set, docs/experiments.md); False with those: the model before."""
+    chunk_convention: Literal["mean", "first"] = "first"
     """``mean``: a segment is the mean of its bytes and byte t reads the core output of the segment
     before its own. ``first`` (H-Net): the predictor decides "a chunk starts at t", a chunk is its
     first byte's prelude state and every byte reads its own chunk's output (the Engram of chunk k
-    then hashes chunk k - 1's bytes, the last complete ones). Both are causal (tests)."""
-    dechunk_smoothing: bool = False
+    then hashes chunk k - 1's bytes, the last complete ones). Both are causal (tests). ``first`` by default
+    since 2026-11-26 (H-Net's path, ``boundary_confidence``); fixed segments do better with ``mean``."""
+    dechunk_smoothing: bool = True
     """H-Net's dechunk smoothing: before the upsample, the core outputs become an EMA over segments,
     ``out_k = P_k y_k + (1 - P_k) out_{k-1}``, P_k the probability of the boundary that opened
-    segment k (1 where it was forced); causal, computed in closed form."""
+    segment k (1 where it was forced); causal, computed in closed form. On by default since 2026-11-26
+    (H-Net's path, ``boundary_confidence``)."""
     stage_init: bool = True
     """H-Net's stage-aware initialisation: residual outputs of the byte blocks scaled by the byte
     stages' own depth (``0.02 / sqrt(2 (n_prelude + n_coda))``), the core's by the whole depth; the
@@ -271,9 +281,7 @@ class SpiderArgs:
             )
         if not 0.0 <= self.boundary_band < 1.0:
             out.append(f"boundary_band: {self.boundary_band} must be in [0, 1) (0: no dead zone)")
-        elif self.boundary_band and self.boundary_loss != "ratio":
-            out.append(f"boundary_band: {self.boundary_band} applies to boundary_loss = 'ratio' only (it is 'hinge')")
-        elif self.target_bytes_per_segment * (1.0 - self.boundary_band) <= 1.0:
+        elif self.boundary_loss == "ratio" and self.target_bytes_per_segment * (1.0 - self.boundary_band) <= 1.0:
             out.append(
                 f"boundary_band: {self.boundary_band} puts the band's lower edge at "
                 f"{self.target_bytes_per_segment * (1.0 - self.boundary_band):g} bytes per segment; the ratio loss "

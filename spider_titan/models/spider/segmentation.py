@@ -45,7 +45,7 @@ Conventions
   of segment ``seg_id[t] - 1`` (the last segment that ended strictly before t's segment; zero for
   the first segment) by a gather. On CUDA scatter-add uses atomics, so the last bits of the
   pooled sums may vary from run to run unless ``torch.use_deterministic_algorithms`` is on.
-* H-Net's path (options, ``SpiderArgs``): ``chunk_convention = "first"`` reads the logits as "a chunk
+* H-Net's path (``SpiderArgs``, the default since 2026-11-26): ``chunk_convention = "first"`` reads the logits as "a chunk
   starts at t" (shifted into the end convention above by ``segment_bytes``), represents a chunk by its
   first byte's state (:func:`downsample_first`) and hands every byte its own chunk's output
   (:func:`upsample_own`): causal because the chunk's vector reads nothing past its first byte.
@@ -62,9 +62,13 @@ Conventions
   reads segments that ended before the byte); the MoE statistics and the ponder loss skip them
   (``seg_real``). Outputs and losses equal the unbucketed model's (tests/unit/test_spider_model.py).
 
-Why these defaults (cosine predictor, causal standardisation, ratio loss, no STE): the measurements
-are in docs/experiments.md ("Segmentation"); in short, the hinge collapses to the length cap, the
-plain hard rule with the ratio loss swings, and the standardisation holds the rate at the target.
+Why these defaults (cosine predictor, causal standardisation, ratio loss with a dead zone, H-Net's
+path): the measurements are in docs/experiments.md ("Segmentation", "H-Net's chunking path"); in short,
+the hinge collapses to the length cap, the plain hard rule with the ratio loss swings, and the
+standardisation holds the rate at the target. H-Net's chunk-start convention, dechunk smoothing and
+confidence factor work as a set (each alone loses, together they win at equal FLOPs); the LM gradient
+they give the predictor asks for shorter segments than the target on prose, which the ratio loss's dead
+zone (``boundary_band``) stops at the band's edge without pulling inside it.
 """
 
 from __future__ import annotations
