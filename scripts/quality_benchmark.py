@@ -212,6 +212,12 @@ RUNS = [
         if name != "stage_init"
     ),
     Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
+    Run(
+        "spider_boundary_loss_predictor_only",
+        SPIDER_CONFIG,
+        ("--model.boundary_prelude_grad", "false"),
+        "shipped defaults with the boundary loss training the predictor only (no gradient from it into the prelude)",
+    ),
     *(
         Run(f"spider_no_{name}", SPIDER_CONFIG, HNET_SHIPPED[name], f"shipped defaults without H-Net's {what}")
         for name, (_, what) in HNET.items()

@@ -700,6 +700,33 @@ def test_boundary_band_dead_zone():
     assert dataclasses.replace(DEBUG, boundary_band=0.8, boundary_loss="hinge").validate() == []  # the hinge ignores it
 
 
+def test_boundary_loss_without_prelude_grad_trains_the_predictor_only(monkeypatch):
+    """boundary_prelude_grad = False: the boundary loss's gradient stops at the predictor (the prelude
+    gets none from it, the predictor the same as with it); the LM loss still reaches the prelude
+    through the predictor. With the default the boundary loss reaches the prelude."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 48))
+    caught = []
+    real = spider_model.boundary_loss
+    monkeypatch.setattr(spider_model, "boundary_loss", lambda *a: caught.append(real(*a)) or caught[-1])
+    grads = {}
+    for flag in (True, False):
+        caught.clear()
+        model = build(seed=1, boundary_prelude_grad=flag)
+        model(ids)
+        caught[0].backward()
+        grads[flag] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    prelude = [n for n in grads[True] if n.startswith("prelude.")]
+    predictor = [n for n in grads[True] if n.startswith("boundary_predictor.")]
+    assert prelude and predictor
+    assert not any(n.startswith("prelude.") for n in grads[False])
+    for n in predictor:
+        torch.testing.assert_close(grads[False][n], grads[True][n])
+    model = build(seed=1, boundary_prelude_grad=False)
+    model(ids).logits.square().mean().backward()  # any function of the logits
+    assert model.boundary_predictor.q_proj.weight.grad.abs().sum() > 0  # the LM path trains the router
+
+
 def test_eval_variants():
     from spider_titan.models.spider import SPIDER_SPEC
 

@@ -168,6 +168,12 @@ class SpiderArgs:
     ``boundary_ste``) and ``dechunk_smoothing`` passes the LM gradient to it too. On by default since
     2026-11-26, with ``dechunk_smoothing``, ``chunk_convention = "first"`` and ``boundary_band`` (H-Net's
     path: the three work as a set, docs/experiments.md); False with those: the model before."""
+    boundary_prelude_grad: bool = True
+    """Whether the boundary loss's gradient reaches the prelude through the predictor, when the predictor
+    reads the prelude undetached (``boundary_confidence`` or ``boundary_ste``; H-Net's ratio loss does).
+    False: the boundary loss trains the predictor only (its probabilities come from a second predictor
+    pass on the detached prelude, counted in the FLOPs); the LM gradient still reaches the prelude
+    through the predictor."""
     chunk_convention: Literal["mean", "first"] = "first"
     """``mean``: a segment is the mean of its bytes and byte t reads the core output of the segment
     before its own. ``first`` (H-Net): the predictor decides "a chunk starts at t", a chunk is its
@@ -350,6 +356,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "loop_step_size": False,
     "extra_loop_gains": False,
     "boundary_band": 0.0,
+    "boundary_prelude_grad": True,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

@@ -53,6 +53,7 @@ computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ from spider_titan.models.spider.segmentation import (
     boundary_loss,
     downsample,
     downsample_first,
+    end_logits,
     segment_bytes,
     smooth_segments,
     space_boundary_logits,
@@ -210,7 +212,7 @@ class Spider(nn.Module):
         device = input_ids.device
         freqs = rope_frequencies(a.qk_rope_head_dim, T, a.rope_theta, device=device)  # (T, rope/2, 2)
 
-        x = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
+        x = x_prelude = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
         first = a.chunk_convention == "first"
         router_grad = a.boundary_ste or a.boundary_confidence  # the LM loss trains the predictor
         if a.boundary_predictor == "fixed":  # fixed-size segments: only the (shortened) length cap cuts
@@ -261,7 +263,11 @@ class Spider(nn.Module):
         if self.boundary_predictor is None:
             b_loss = x.new_zeros((), dtype=torch.float32)
         else:
-            b_loss = boundary_loss(seg, a.target_bytes_per_segment, a.boundary_loss, a.boundary_band)
+            loss_seg = seg
+            if router_grad and not a.boundary_prelude_grad:  # the boundary loss trains the predictor only
+                probs = torch.sigmoid(end_logits(self.boundary_predictor(x_prelude.detach()), chunk_start=first))
+                loss_seg = dataclasses.replace(seg, probs=probs)
+            b_loss = boundary_loss(loss_seg, a.target_bytes_per_segment, a.boundary_loss, a.boundary_band)
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss + a.ponder_coeff * core.ponder_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
         real_bytes = (input_ids != PAD_ID).sum().float()

@@ -244,6 +244,12 @@ def keyed_uniform(keys: torch.Tensor, T: int) -> torch.Tensor:
     return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def end_logits(logits: torch.Tensor, *, chunk_start: bool) -> torch.Tensor:
+    """Predictor logits in the end convention ("a segment ends at t"): under ``chunk_start``
+    ("a chunk starts at t") shifted by one byte (the last byte's end is forced, its logit never read)."""
+    return F.pad(logits[:, 1:], (0, 1), value=-30.0) if chunk_start else logits
+
+
 def segment_bytes(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -273,8 +279,7 @@ def segment_bytes(
     """
     B, T = input_ids.shape
     device = input_ids.device
-    if chunk_start:  # the last byte's end is forced below, so its logit is never read
-        logits = F.pad(logits[:, 1:], (0, 1), value=-30.0)
+    logits = end_logits(logits, chunk_start=chunk_start)
     probs = torch.sigmoid(logits)
     if training and noise == "gumbel":
         if noise_keys is not None:
