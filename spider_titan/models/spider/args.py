@@ -173,7 +173,8 @@ class SpiderArgs:
     reads the prelude undetached (``boundary_confidence`` or ``boundary_ste``; H-Net's ratio loss does).
     False: the boundary loss trains the predictor only (its probabilities come from a second predictor
     pass on the detached prelude, counted in the FLOPs); the LM gradient still reaches the prelude
-    through the predictor."""
+    through the predictor. Measured 2026-11-26 (docs/experiments.md, "Why the dead zone loses"): level or
+    worse than True at equal FLOPs, so True stays the default."""
     chunk_convention: Literal["mean", "first"] = "first"
     """``mean``: a segment is the mean of its bytes and byte t reads the core output of the segment
     before its own. ``first`` (H-Net): the predictor decides "a chunk starts at t", a chunk is its
