@@ -20,8 +20,8 @@ from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 DEBUG = SPIDER_FLAVORS["debug"]
 # Our chunking path (segment means, each byte reads the segment before its own, no confidence factor,
-# no smoothing; the defaults), named where a test is about it, so a change of default cannot make the
-# test vacuous (under a trial default of H-Net's path, 2026-11-25, two tests here and in
+# no smoothing; the defaults until 2026-11-26), named where a test is about it, so a change of default
+# cannot make the test vacuous (under a trial default of H-Net's path, 2026-11-25, two tests here and in
 # test_spider_hnet.py passed without testing what they name and five others failed)
 MEAN_PATH = {"chunk_convention": "mean", "boundary_confidence": False, "dechunk_smoothing": False}
 _pad = torch.nn.functional.pad

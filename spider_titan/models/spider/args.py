@@ -138,9 +138,10 @@ class SpiderArgs:
     """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
     FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
     boundary_band: float = 0.2
-    """Dead zone of the ratio loss (``boundary_loss = "ratio"``; the hinge ignores it), relative to ``target_bytes_per_segment``: a row whose bytes per
-    segment lie within ``target * (1 +- band)`` gets no gradient from it (the LM gradient alone places
-    its boundaries, with ``boundary_confidence``), a row outside is pulled to the band's nearest edge.
+    """Dead zone of the ratio loss (``boundary_loss = "ratio"``; the hinge ignores it), relative to
+    ``target_bytes_per_segment``: a row whose bytes per segment lie within ``target * (1 +- band)`` gets
+    no gradient from it (the LM gradient alone places its boundaries, with ``boundary_confidence``), a
+    row outside is pulled to the band's nearest edge.
     0: the plain ratio loss, pulling to the target from any rate. 0.2 by default since 2026-11-26 (with
     H-Net's path, below): H-Net's ratio weight 0.03 let the LM gradient shrink segments to 2.5 bytes on
     prose at debug, weight 1.0 everywhere held 4 bytes but lost at ``small`` on the built-in corpus; the
@@ -327,6 +328,12 @@ class SpiderArgs:
             if getattr(self, name) < 0:
                 out.append(f"{name}: {getattr(self, name)} must be >= 0")
         return out
+
+    @property
+    def router_grad(self) -> bool:
+        """Whether the LM loss trains the boundary predictor (``boundary_ste`` or ``boundary_confidence``):
+        the predictor then reads the prelude undetached."""
+        return self.boundary_ste or self.boundary_confidence
 
     def tail_shares(self) -> tuple[int, float, float]:
         """``loop_sampling = "tail"``: (deep count, share of steps at it, share at one loop), the shares

@@ -79,9 +79,9 @@ def spider_flops_breakdown(
             a.boundary_predictor
         ]
         * (
-            (1.0 if a.boundary_ste or a.boundary_confidence else 2.0 / 3.0)
+            (1.0 if a.router_grad else 2.0 / 3.0)
             # a second pass on the detached prelude for the boundary loss (weight gradients only)
-            + (2.0 / 3.0) * ((a.boundary_ste or a.boundary_confidence) and not a.boundary_prelude_grad)
+            + (2.0 / 3.0) * (a.router_grad and not a.boundary_prelude_grad)
         ),
         "inject_up_proj": 2 * mm(db, d) / bps,  # once per segment each: byte_dim -> dim and back
         "residual_proj": mm(db, db) * a.stage_init,

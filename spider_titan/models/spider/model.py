@@ -214,7 +214,7 @@ class Spider(nn.Module):
 
         x = x_prelude = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
         first = a.chunk_convention == "first"
-        router_grad = a.boundary_ste or a.boundary_confidence  # the LM loss trains the predictor
+        router_grad = a.router_grad  # the LM loss trains the predictor
         if a.boundary_predictor == "fixed":  # fixed-size segments: only the (shortened) length cap cuts
             logits = x.new_full((B, T), -30.0, dtype=torch.float32)
             cap = max(1, min(a.max_segment_bytes, round(a.target_bytes_per_segment)))

@@ -45,10 +45,11 @@ Conventions
   of segment ``seg_id[t] - 1`` (the last segment that ended strictly before t's segment; zero for
   the first segment) by a gather. On CUDA scatter-add uses atomics, so the last bits of the
   pooled sums may vary from run to run unless ``torch.use_deterministic_algorithms`` is on.
-* H-Net's path (``SpiderArgs``, the default since 2026-11-26): ``chunk_convention = "first"`` reads the logits as "a chunk
-  starts at t" (shifted into the end convention above by ``segment_bytes``), represents a chunk by its
-  first byte's state (:func:`downsample_first`) and hands every byte its own chunk's output
-  (:func:`upsample_own`): causal because the chunk's vector reads nothing past its first byte.
+* H-Net's path (``SpiderArgs``, the default since 2026-11-26): ``chunk_convention = "first"`` reads
+  the logits as "a chunk starts at t" (shifted into the end convention above by :func:`end_logits`),
+  represents a chunk by its first byte's state (:func:`downsample_first`) and hands every byte its own
+  chunk's output (:func:`upsample_own`): causal because the chunk's vector reads nothing past its first
+  byte.
   :func:`smooth_segments` is H-Net's dechunk EMA; :func:`boundary_confidence` its confidence-weighted
   straight-through factor; :func:`space_boundary_logits` SpaceByte's rule (a baseline).
 * S, the largest segment count in the batch, is read back to the host once per forward (the one
