@@ -212,6 +212,16 @@ RUNS = [
         if name != "stage_init"
     ),
     Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
+    # The dead zone's pull outside the band at a lower weight (the shipped weight is 1.0)
+    *(
+        Run(
+            f"spider_band_ratio{name}",
+            SPIDER_CONFIG,
+            ("--model.boundary_coeff", weight),
+            f"shipped defaults with ratio-loss weight {weight}: the dead zone's pull outside the band weaker",
+        )
+        for name, weight in (("01", "0.1"), ("03", "0.3"))
+    ),
     Run(
         "spider_boundary_loss_predictor_only",
         SPIDER_CONFIG,
