@@ -223,6 +223,13 @@ RUNS = [
         for name, weight in (("01", "0.1"), ("03", "0.3"))
     ),
     Run(
+        "spider_band_inner003",
+        SPIDER_CONFIG,
+        ("--model.boundary_band_inner", "0.03"),
+        "shipped defaults plus H-Net's ratio loss at weight 0.03 at every rate: a weak pull inside the band, "
+        "its edge a wall",
+    ),
+    Run(
         "spider_boundary_loss_predictor_only",
         SPIDER_CONFIG,
         ("--model.boundary_prelude_grad", "false"),

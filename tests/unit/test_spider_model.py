@@ -671,11 +671,11 @@ def test_boundary_band_dead_zone():
     T = 480
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
 
-    def loss_and_grad(every, target, band):  # a boundary every `every` bytes, p = 0.3 where decided
+    def loss_and_grad(every, target, band, inner=0.0):  # a boundary every `every` bytes, p = 0.3 where decided
         logits = torch.full((1, T), torch.logit(torch.tensor(0.3)).item(), requires_grad=True)
         seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=T)
         seg.boundaries = (torch.arange(T)[None] % every == every - 1) | seg.boundaries & ~seg.decided
-        loss = boundary_loss(seg, target, "ratio", band)
+        loss = boundary_loss(seg, target, "ratio", band, inner)
         loss.backward()
         return loss.detach(), logits.grad
 
@@ -693,11 +693,24 @@ def test_boundary_band_dead_zone():
         torch.testing.assert_close(loss, ref)
         torch.testing.assert_close(grad, ref_grad)
         assert (grad.sum() > 0) == (every == 2)  # descending lowers p when segments are too short
+    # boundary_band_inner: the band's loss plus that weight times the plain loss, inside and outside the band
+    for every in (5, 2):
+        loss, grad = loss_and_grad(every, 4.0, 0.25, inner=0.03)
+        band_loss, band_grad = loss_and_grad(every, 4.0, 0.25)
+        plain_loss, plain_grad = loss_and_grad(every, 4.0, 0.0)
+        torch.testing.assert_close(loss, band_loss + 0.03 * plain_loss)
+        torch.testing.assert_close(grad, band_grad + 0.03 * plain_grad)
+        assert grad.abs().max() > 1e-6
     args = dataclasses.replace(DEBUG, boundary_band=0.2)
     assert args.validate() == []
     assert any("[0, 1)" in p for p in dataclasses.replace(DEBUG, boundary_band=1.0).validate())
     assert any("lower edge" in p for p in dataclasses.replace(DEBUG, boundary_band=0.8).validate())
     assert dataclasses.replace(DEBUG, boundary_band=0.8, boundary_loss="hinge").validate() == []  # the hinge ignores it
+    assert dataclasses.replace(DEBUG, boundary_band_inner=0.03).validate() == []
+    assert any("must be >= 0" in p for p in dataclasses.replace(DEBUG, boundary_band_inner=-0.1).validate())
+    assert any(
+        "needs a band" in p for p in dataclasses.replace(DEBUG, boundary_band=0.0, boundary_band_inner=0.03).validate()
+    )
 
 
 def test_boundary_loss_without_prelude_grad_trains_the_predictor_only(monkeypatch):

@@ -146,6 +146,10 @@ class SpiderArgs:
     H-Net's path, below): H-Net's ratio weight 0.03 let the LM gradient shrink segments to 2.5 bytes on
     prose at debug, weight 1.0 everywhere held 4 bytes but lost at ``small`` on the built-in corpus; the
     band keeps the rate within 3.2-4.8 and the freedom inside (docs/experiments.md, "A dead zone")."""
+    boundary_band_inner: float = 0.0
+    """With a dead zone (``boundary_band`` > 0): the weight, relative to ``boundary_coeff``, of the plain
+    ratio loss added to it, a weak pull towards the target at every rate (inside the band too), the band's
+    edge then a wall. 0: none."""
     boundary_noise: Literal["none", "gumbel"] = "none"
     """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
     training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
@@ -295,6 +299,13 @@ class SpiderArgs:
                 f"{self.target_bytes_per_segment * (1.0 - self.boundary_band):g} bytes per segment; the ratio loss "
                 "needs it > 1 (a narrower band or a larger target)"
             )
+        if self.boundary_band_inner < 0:
+            out.append(f"boundary_band_inner: {self.boundary_band_inner} must be >= 0 (0: no pull inside the band)")
+        elif self.boundary_band_inner > 0 and not (self.boundary_band > 0 and self.boundary_loss == "ratio"):
+            out.append(
+                "boundary_band_inner: a pull inside the band needs a band (boundary_band > 0) and boundary_loss = "
+                "'ratio'; without one, set boundary_coeff"
+            )
         if self.loop_init_std < 0:
             out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")
         if self.byte_dim < 0:
@@ -365,6 +376,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "extra_loop_gains": False,
     "boundary_band": 0.0,
     "boundary_prelude_grad": True,
+    "boundary_band_inner": 0.0,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

@@ -267,7 +267,9 @@ class Spider(nn.Module):
             if router_grad and not a.boundary_prelude_grad:  # the boundary loss trains the predictor only
                 probs = torch.sigmoid(end_logits(self.boundary_predictor(x_prelude.detach()), chunk_start=first))
                 loss_seg = dataclasses.replace(seg, probs=probs)
-            b_loss = boundary_loss(loss_seg, a.target_bytes_per_segment, a.boundary_loss, a.boundary_band)
+            b_loss = boundary_loss(
+                loss_seg, a.target_bytes_per_segment, a.boundary_loss, a.boundary_band, a.boundary_band_inner
+            )
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss + a.ponder_coeff * core.ponder_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
         real_bytes = (input_ids != PAD_ID).sum().float()
