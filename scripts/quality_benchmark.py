@@ -212,15 +212,20 @@ RUNS = [
         if name != "stage_init"
     ),
     Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
-    # The dead zone's pull outside the band at a lower weight (the shipped weight is 1.0)
+    # The dead zone's pull outside the band at a lower weight (the shipped weight is 1.0), and a narrower band
     *(
         Run(
-            f"spider_band_ratio{name}",
+            f"spider_band{band_name}_ratio{name}",
             SPIDER_CONFIG,
-            ("--model.boundary_coeff", weight),
-            f"shipped defaults with ratio-loss weight {weight}: the dead zone's pull outside the band weaker",
+            ("--model.boundary_coeff", weight, *(("--model.boundary_band", band) if band else ())),
+            f"shipped defaults with ratio-loss weight {weight}: the dead zone's pull outside the band weaker"
+            + (f", band +- {band}" if band else ""),
         )
-        for name, weight in (("01", "0.1"), ("03", "0.3"))
+        for band_name, band, name, weight in (
+            ("", "", "01", "0.1"),
+            ("", "", "03", "0.3"),
+            ("015", "0.15", "03", "0.3"),
+        )
     ),
     Run(
         "spider_band_inner003",
