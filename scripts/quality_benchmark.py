@@ -228,6 +228,12 @@ RUNS = [
         )
     ),
     Run(
+        "spider_band_upper03",
+        SPIDER_CONFIG,
+        ("--model.boundary_band_upper", "0.3"),
+        "shipped defaults with the pull on rows above the band (segments too long) at 0.3 of the pull below it",
+    ),
+    Run(
         "spider_band_inner003",
         SPIDER_CONFIG,
         ("--model.boundary_band_inner", "0.03"),

@@ -671,11 +671,11 @@ def test_boundary_band_dead_zone():
     T = 480
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
 
-    def loss_and_grad(every, target, band, inner=0.0):  # a boundary every `every` bytes, p = 0.3 where decided
+    def loss_and_grad(every, target, band, inner=0.0, upper=1.0):  # a boundary every `every` bytes, p = 0.3
         logits = torch.full((1, T), torch.logit(torch.tensor(0.3)).item(), requires_grad=True)
         seg = segment_bytes(logits, ids, training=False, temperature=0.5, max_segment_bytes=T)
         seg.boundaries = (torch.arange(T)[None] % every == every - 1) | seg.boundaries & ~seg.decided
-        loss = boundary_loss(seg, target, "ratio", band, inner)
+        loss = boundary_loss(seg, target, "ratio", band, inner, upper)
         loss.backward()
         return loss.detach(), logits.grad
 
@@ -701,12 +701,19 @@ def test_boundary_band_dead_zone():
         torch.testing.assert_close(loss, band_loss + 0.03 * plain_loss)
         torch.testing.assert_close(grad, band_grad + 0.03 * plain_grad)
         assert grad.abs().max() > 1e-6
+    # boundary_band_upper: a row above the band (8 bytes) weighted by it, a row below (2 bytes) not
+    for every, factor in ((8, 0.3), (2, 1.0)):
+        loss, grad = loss_and_grad(every, 4.0, 0.25, upper=0.3)
+        band_loss, band_grad = loss_and_grad(every, 4.0, 0.25)
+        torch.testing.assert_close(loss, factor * band_loss)
+        torch.testing.assert_close(grad, factor * band_grad)
     args = dataclasses.replace(DEBUG, boundary_band=0.2)
     assert args.validate() == []
     assert any("[0, 1)" in p for p in dataclasses.replace(DEBUG, boundary_band=1.0).validate())
     assert any("lower edge" in p for p in dataclasses.replace(DEBUG, boundary_band=0.8).validate())
     assert dataclasses.replace(DEBUG, boundary_band=0.8, boundary_loss="hinge").validate() == []  # the hinge ignores it
-    assert dataclasses.replace(DEBUG, boundary_band_inner=0.03).validate() == []
+    assert dataclasses.replace(DEBUG, boundary_band_inner=0.03, boundary_band_upper=0.3).validate() == []
+    assert any("must be >= 0" in p for p in dataclasses.replace(DEBUG, boundary_band_upper=-1.0).validate())
     assert any("must be >= 0" in p for p in dataclasses.replace(DEBUG, boundary_band_inner=-0.1).validate())
     assert any(
         "needs a band" in p for p in dataclasses.replace(DEBUG, boundary_band=0.0, boundary_band_inner=0.03).validate()

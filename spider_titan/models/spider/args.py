@@ -150,6 +150,9 @@ class SpiderArgs:
     """With a dead zone (``boundary_band`` > 0): the weight, relative to ``boundary_coeff``, of the plain
     ratio loss added to it, a weak pull towards the target at every rate (inside the band too), the band's
     edge then a wall. 0: none."""
+    boundary_band_upper: float = 1.0
+    """With a dead zone: the weight of the pull on a row above the band (segments longer than its upper
+    edge) relative to a row below it. 1: both edges alike."""
     boundary_noise: Literal["none", "gumbel"] = "none"
     """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
     training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
@@ -306,6 +309,8 @@ class SpiderArgs:
                 "boundary_band_inner: a pull inside the band needs a band (boundary_band > 0) and boundary_loss = "
                 "'ratio'; without one, set boundary_coeff"
             )
+        if self.boundary_band_upper < 0:
+            out.append(f"boundary_band_upper: {self.boundary_band_upper} must be >= 0 (0: no pull above the band)")
         if self.loop_init_std < 0:
             out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")
         if self.byte_dim < 0:
@@ -377,6 +382,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_band": 0.0,
     "boundary_prelude_grad": True,
     "boundary_band_inner": 0.0,
+    "boundary_band_upper": 1.0,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

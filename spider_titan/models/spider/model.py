@@ -268,7 +268,12 @@ class Spider(nn.Module):
                 probs = torch.sigmoid(end_logits(self.boundary_predictor(x_prelude.detach()), chunk_start=first))
                 loss_seg = dataclasses.replace(seg, probs=probs)
             b_loss = boundary_loss(
-                loss_seg, a.target_bytes_per_segment, a.boundary_loss, a.boundary_band, a.boundary_band_inner
+                loss_seg,
+                a.target_bytes_per_segment,
+                a.boundary_loss,
+                a.boundary_band,
+                a.boundary_band_inner,
+                a.boundary_band_upper,
             )
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss + a.ponder_coeff * core.ponder_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)

@@ -460,10 +460,16 @@ def space_boundary_logits(input_ids: torch.Tensor, *, chunk_start: bool) -> torc
 
 
 def boundary_loss(
-    seg: Segmentation, target_bytes_per_segment: float, kind: str = "ratio", band: float = 0.0, inner: float = 0.0
+    seg: Segmentation,
+    target_bytes_per_segment: float,
+    kind: str = "ratio",
+    band: float = 0.0,
+    inner: float = 0.0,
+    upper: float = 1.0,
 ) -> torch.Tensor:
     """The boundary objective, a mean over rows (``kind`` is ``SpiderArgs.boundary_loss``,
-    ``band`` ``SpiderArgs.boundary_band``, ``inner`` ``SpiderArgs.boundary_band_inner``).
+    ``band`` ``SpiderArgs.boundary_band``, ``inner`` ``SpiderArgs.boundary_band_inner``, ``upper``
+    ``SpiderArgs.boundary_band_upper``).
 
     ``G`` is the mean predictor probability p_t over the positions it decides (real bytes that
     are not BOS/EOS or next to a PAD run): smooth in the predictor's parameters.
@@ -480,7 +486,8 @@ def boundary_loss(
       loss minimum (value 1, gradient 0: the LM gradient alone places the boundaries) and outside
       it the ratio loss pulls towards the nearest edge of the band. ``inner`` > 0 adds ``inner`` times
       the plain ratio loss (aimed at N itself): a weak pull towards the target at every rate, the
-      band's edge a wall.
+      band's edge a wall. ``upper`` weights the rows above the band (segments too long) against
+      those below it.
 
     F and G are per row and the loss is their mean over rows, so it needs no sum over ranks to be
     split-invariant: a row never straddles ranks, every rank holds the same number of rows, and
@@ -497,10 +504,12 @@ def boundary_loss(
     real = seg.real_bytes.float()
     F_ = ((seg.boundaries.float() * real).sum(dim=1) / real.sum(dim=1).clamp(min=1.0)).detach()
 
-    def ratio(N):  # N: the target, a float or one per row
-        return (N / (N - 1.0) * ((N - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))).mean()
+    def ratio(N, weight=1.0):  # N: the target, a float or one per row; weight: one per row
+        return (weight * N / (N - 1.0) * ((N - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))).mean()
 
     if band == 0.0:
         return ratio(N)
-    edge = (1.0 / F_.clamp(min=1e-6)).clamp(N * (1.0 - band), N * (1.0 + band))
-    return ratio(edge) + inner * ratio(N) if inner else ratio(edge)
+    rate = 1.0 / F_.clamp(min=1e-6)
+    edge = rate.clamp(N * (1.0 - band), N * (1.0 + band))
+    weight = torch.where(rate > N * (1.0 + band), upper, 1.0) if upper != 1.0 else 1.0
+    return ratio(edge, weight) + inner * ratio(N) if inner else ratio(edge, weight)
