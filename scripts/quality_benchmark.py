@@ -89,9 +89,11 @@ FIXED = (
 )
 # The shipped dead zone of the ratio loss taken out (the ratio loss pulling to the target from any rate)
 NO_BAND = ("--model.boundary_band", "0")
+# The ratio-loss weight before 0.3 became the default (2026-11-26): rows measured under it pin it
+WEIGHT_1 = ("--model.boundary_coeff", "1.0")
 # The model before H-Net's path became the default (2026-11-26): stage-aware init, mean chunks, no
-# confidence factor or smoothing, the plain ratio loss
-PRE_PATH = tuple(o for name in ("confidence", "smoothing", "first") for o in HNET_SHIPPED[name]) + NO_BAND
+# confidence factor or smoothing, the plain ratio loss at weight 1.0
+PRE_PATH = tuple(o for name in ("confidence", "smoothing", "first") for o in HNET_SHIPPED[name]) + NO_BAND + WEIGHT_1
 SAMPLED_LOOPS = (
     "--model.loop_sampling",
     "poisson_lognormal",
@@ -212,13 +214,14 @@ RUNS = [
         if name != "stage_init"
     ),
     Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
-    # The dead zone's pull outside the band at a lower weight (the shipped weight is 1.0), and a narrower band
+    # The dead zone's pull outside the band at weights below 1.0 (0.3 the default since 2026-11-26, named), and a
+    # narrower band
     *(
         Run(
             f"spider_band{band_name}_ratio{name}",
             SPIDER_CONFIG,
             ("--model.boundary_coeff", weight, *(("--model.boundary_band", band) if band else ())),
-            f"shipped defaults with ratio-loss weight {weight}: the dead zone's pull outside the band weaker"
+            f"shipped defaults with ratio-loss weight {weight} (the dead zone's pull outside the band)"
             + (f", band +- {band}" if band else ""),
         )
         for band_name, band, name, weight in (
@@ -230,21 +233,23 @@ RUNS = [
     Run(
         "spider_band_upper03",
         SPIDER_CONFIG,
-        ("--model.boundary_band_upper", "0.3"),
-        "shipped defaults with the pull on rows above the band (segments too long) at 0.3 of the pull below it",
+        ("--model.boundary_band_upper", "0.3", *WEIGHT_1),
+        "the dead zone at weight 1.0 with the pull on rows above the band (segments too long) at 0.3 of the pull "
+        "below it",
     ),
     Run(
         "spider_band_inner003",
         SPIDER_CONFIG,
-        ("--model.boundary_band_inner", "0.03"),
-        "shipped defaults plus H-Net's ratio loss at weight 0.03 at every rate: a weak pull inside the band, "
-        "its edge a wall",
+        ("--model.boundary_band_inner", "0.03", *WEIGHT_1),
+        "the dead zone at weight 1.0 plus H-Net's ratio loss at weight 0.03 at every rate: a weak pull inside "
+        "the band, its edge a wall",
     ),
     Run(
         "spider_boundary_loss_predictor_only",
         SPIDER_CONFIG,
-        ("--model.boundary_prelude_grad", "false"),
-        "shipped defaults with the boundary loss training the predictor only (no gradient from it into the prelude)",
+        ("--model.boundary_prelude_grad", "false", *WEIGHT_1),
+        "the dead zone at weight 1.0 with the boundary loss training the predictor only (no gradient from it into "
+        "the prelude)",
     ),
     *(
         Run(f"spider_no_{name}", SPIDER_CONFIG, HNET_SHIPPED[name], f"shipped defaults without H-Net's {what}")
@@ -275,9 +280,9 @@ RUNS = [
     Run(
         "spider_hnet_path_band",
         SPIDER_CONFIG,
-        hnet_without("stage_lr", "ratio003") + ("--model.boundary_band", "0.2"),
+        hnet_without("stage_lr", "ratio003") + ("--model.boundary_band", "0.2", *WEIGHT_1),
         "H-Net's chunking path without the per-stage learning rates, ratio loss (weight 1.0) with a dead zone: "
-        "no pull within 4 +- 20 % bytes per segment (the shipped defaults since 2026-11-26, named)",
+        "no pull within 4 +- 20 % bytes per segment (the defaults of 2026-11-26 before weight 0.3)",
     ),
     Run(
         "spider_hnet_all_sampled",
