@@ -6,11 +6,12 @@ they are unbacked symbols, and inductor used to fail lowering ``x_exp[:n_send]``
 eager, with the smallest config that still routes tokens across ranks (seq 64, 2 sequences per
 rank, 3 steps). Step 1 (same weights, same batch: only the kernels differ) must agree within 1e-4 in
 loss; the gradient norms within 1e-4 in fp32 and 1e-3 with float8 (inductor fuses the fp8 scale
-arithmetic, which moves the norm by ~1e-4 relative). From step 2 on, the loss too gets float8's 1e-3: AdamW
-turns those last-bit gradient differences into update differences of up to the learning rate on
-parameters whose gradient is near zero. Measured with H-Net's path (the default since 2026-11-26): step 1
-equal to the last digit, the same segmentation at every step, and the loss 1.3e-4 / 1.1e-4 apart at
-steps 2 / 3.
+arithmetic, which moves the norm by ~1e-4 relative). From step 2 on, the loss too gets float8's 1e-3 and
+the gradient norm 5e-3: AdamW turns those last-bit gradient differences into update differences of up to
+the learning rate on parameters whose gradient is near zero. Measured with H-Net's path (the default since
+2026-11-26): step 1 equal to the last digit, the same segmentation at every step, and the loss 1.3e-4 /
+1.1e-4 apart at steps 2 / 3; with ratio weight 0.3 (the default since that evening) the gradient norms
+were 2.0e-3 apart at step 3 (4.7924 / 4.7830).
 """
 
 from __future__ import annotations
@@ -44,5 +45,6 @@ def test_compiled_expert_parallel_matches_eager(tmp_path, extra, env, grad_rel):
     for step in eager:
         loss_rel = 1e-4 if step == 1 else grad_rel
         assert compiled[step]["loss"] == pytest.approx(eager[step]["loss"], rel=loss_rel), step
-        assert compiled[step]["grad_norm"] == pytest.approx(eager[step]["grad_norm"], rel=grad_rel), step
+        norm_rel = grad_rel if step == 1 else 5 * grad_rel
+        assert compiled[step]["grad_norm"] == pytest.approx(eager[step]["grad_norm"], rel=norm_rel), step
     assert eager[3]["loss"] < eager[1]["loss"]  # the run trains, so equality means something
