@@ -511,5 +511,5 @@ def boundary_loss(
         return ratio(N)
     rate = 1.0 / F_.clamp(min=1e-6)
     edge = rate.clamp(N * (1.0 - band), N * (1.0 + band))
-    weight = torch.where(rate > N * (1.0 + band), upper, 1.0) if upper != 1.0 else 1.0
-    return ratio(edge, weight) + inner * ratio(N) if inner else ratio(edge, weight)
+    weight = torch.where(rate > N * (1.0 + band), upper, 1.0)  # rows above the band weighted by `upper`
+    return ratio(edge, weight) + inner * ratio(N)
