@@ -245,6 +245,13 @@ RUNS = [
         "the band, its edge a wall",
     ),
     Run(
+        "spider_boundary_dim32",
+        SPIDER_CONFIG,
+        ("--model.boundary_dim", "32"),
+        "the boundary predictor's q/k projections at width 32 instead of the byte width (a quarter of debug's, "
+        "an eighth of small's): the FLOPs of learned segmentation that fixed segments never spend, cut",
+    ),
+    Run(
         "spider_boundary_loss_predictor_only",
         SPIDER_CONFIG,
         ("--model.boundary_prelude_grad", "false", *WEIGHT_1),

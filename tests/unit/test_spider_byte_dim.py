@@ -1,11 +1,17 @@
 """The byte-stack width ``byte_dim`` (model.py, args.py): at ``dim`` the model is today's tensor for
-tensor; narrower, the byte parts shrink, the core keeps its width and the model stays causal."""
+tensor; narrower, the byte parts shrink, the core keeps its width and the model stays causal. The
+boundary predictor's width ``boundary_dim`` likewise: 0 is today's square routing module, narrower
+its projections start as the identity's first rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from spider_titan.models.spider.args import SPIDER_FLAVORS
 from tests.unit.test_spider_model import build, causality_gaps, content_predictor, sample_ids
 
 # Today's debug model (byte_dim = dim = 128): the byte-level tensors and the projections around
@@ -67,3 +73,37 @@ def test_narrow_byte_stack_is_causal(monkeypatch, train):
     for u, before, after in causality_gaps(model, ids, train=train, seed=0, positions=(5, 17, 30)):
         assert before < 1e-5, f"u={u}: logits before u moved by {before}"
         assert after > 1e-4, f"u={u}: changing byte u changed nothing (vacuous test)"
+
+
+def test_boundary_dim_full_width_is_todays_predictor():
+    """boundary_dim = 0 and = the byte width build the same square, identity-initialised q/k projections
+    and the same logits."""
+    default, explicit = build(), build(boundary_dim=128)
+    for name in ("boundary_predictor.q_proj.weight", "boundary_predictor.k_proj.weight"):
+        assert torch.equal(default.state_dict()[name], torch.eye(128))
+        assert torch.equal(explicit.state_dict()[name], torch.eye(128))
+    ids = sample_ids(3)
+    with torch.no_grad():
+        assert torch.equal(default.eval()(ids).logits, explicit.eval()(ids).logits)
+
+
+def test_narrow_boundary_dim_reads_the_first_coordinates_at_init():
+    """boundary_dim 32: q_proj and k_proj are (32, 128), and at init the raw score is H-Net's cosine of
+    the first 32 coordinates of adjacent prelude states (a reference computed here); the model trains."""
+    model = build(boundary_dim=32)
+    bp = model.boundary_predictor
+    assert tuple(bp.q_proj.weight.shape) == tuple(bp.k_proj.weight.shape) == (32, 128)
+    h = torch.randn(2, 12, 128, generator=torch.Generator().manual_seed(0))
+    cos = F.cosine_similarity(h[:, :, :32], F.pad(h[:, :-1, :32], (0, 0, 1, 0)), dim=-1, eps=1e-6)
+    p = ((1 - cos) / 2).clamp(1e-6, 1 - 1e-6)
+    torch.testing.assert_close(bp.raw_score(h), torch.log(p) - torch.log1p(-p))
+    ids = sample_ids(4)
+    out = model.train()(ids, labels=torch.roll(ids, -1, dims=1))
+    out.loss.backward()
+    assert bp.q_proj.weight.grad is not None and bp.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 129])
+def test_boundary_dim_out_of_range_is_refused(bad):
+    problems = dataclasses.replace(SPIDER_FLAVORS["debug"], boundary_dim=bad).validate()
+    assert any(p.startswith("boundary_dim:") for p in problems), problems

@@ -134,6 +134,13 @@ class SpiderArgs:
     "mean"``, which the default ``first`` is not); ``space``: no predictor, SpaceByte's
     rule, a segment ends at a space or punctuation byte that follows a letter, digit or non-ASCII
     byte (still cut at ``max_segment_bytes``; a baseline)."""
+    boundary_dim: int = 0
+    """Width of the boundary predictor's projections (``cosine``: ``q_proj`` and ``k_proj``, byte width ->
+    boundary_dim; ``mlp``: its hidden layer); 0 means the byte width (H-Net's routing module, square and
+    identity-initialised). Narrower, both start as the identity's first rows (``q_t`` and ``k_t`` the same
+    first coordinates of the prelude state, as the identity makes them the same state), and the
+    predictor's share of the FLOPs per byte (5 % of debug's and ``small``'s at full width) shrinks in
+    proportion: compute that fixed segments never spend."""
     boundary_loss: Literal["ratio", "hinge"] = "ratio"
     """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
     FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
@@ -241,6 +248,11 @@ class SpiderArgs:
         """The byte-level width: ``byte_dim``, or ``dim`` when it is 0."""
         return self.byte_dim or self.dim
 
+    @property
+    def boundary_width(self) -> int:
+        """The boundary predictor's projection width: ``boundary_dim``, or the byte width when it is 0."""
+        return self.boundary_dim or self.byte_width
+
     def validate(self) -> list[str]:
         """Every inconsistency among the fields, one line each (empty when the args are usable)."""
         out = []
@@ -321,6 +333,11 @@ class SpiderArgs:
             out.append(f"loop_init_std: {self.loop_init_std} must be >= 0 (0: the core starts from zero)")
         if self.byte_dim < 0:
             out.append(f"byte_dim: {self.byte_dim} must be >= 0 (0: the model width dim)")
+        if not 0 <= self.boundary_dim <= self.byte_width:
+            out.append(
+                f"boundary_dim: {self.boundary_dim} must be in [0, {self.byte_width}] (0: the byte width; a "
+                "projection wider than its input adds FLOPs and nothing else)"
+            )
         if self.loop_sampling == "tail":
             deep, p_deep, p_one = self.tail_shares()
             if self.n_loops < 2 or deep <= self.n_loops:
@@ -389,6 +406,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_prelude_grad": True,
     "boundary_band_inner": 0.0,
     "boundary_band_upper": 1.0,
+    "boundary_dim": 0,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

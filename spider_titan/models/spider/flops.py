@@ -39,7 +39,8 @@ def spider_flops_breakdown(
     T = float(seq_len)
     S = T / bps  # segments per sequence
     d, H = a.dim, a.n_heads
-    db = a.byte_dim or d  # the byte-level width (embeddings, byte blocks, predictor, head)
+    db = a.byte_dim or d  # the byte-level width (embeddings, byte blocks, predictor input, head)
+    dp = a.boundary_dim or db  # the predictor's projection width
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
 
     def mm(m: float, n: float) -> float:  # one row through an (m -> n) matmul
@@ -75,7 +76,7 @@ def spider_flops_breakdown(
         "byte_attention_scores": n_bytes_blocks * attn_scores(T),
         # Without the straight-through path the predictor reads the prelude detached: its backward
         # computes weight gradients only (2x forward instead of 3x in total).
-        "boundary_predictor": {"mlp": mm(db, db) + mm(db, 1), "cosine": 2 * mm(db, db), "fixed": 0.0, "space": 0.0}[
+        "boundary_predictor": {"mlp": mm(db, dp) + mm(dp, 1), "cosine": 2 * mm(db, dp), "fixed": 0.0, "space": 0.0}[
             a.boundary_predictor
         ]
         * (

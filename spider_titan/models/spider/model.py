@@ -156,7 +156,9 @@ class Spider(nn.Module):
         self.boundary_predictor = (
             None
             if args.boundary_predictor in ("fixed", "space")
-            else BoundaryPredictor(width, args.boundary_predictor, standardize=args.boundary_standardize)
+            else BoundaryPredictor(
+                width, args.boundary_predictor, standardize=args.boundary_standardize, proj_dim=args.boundary_width
+            )
         )
         self.core = RecurrentCore(args)
         self.up_proj = nn.Linear(args.dim, width, bias=False)  # the core output down to the byte width

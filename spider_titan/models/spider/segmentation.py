@@ -120,17 +120,25 @@ class BoundaryPredictor(nn.Module):
     ``threshold`` and the score's shape so that *how often* stays at the target.
     """
 
-    def __init__(self, dim: int, kind: str = "cosine", standardize: bool = True, sharpness: float = 2.0):
+    def __init__(
+        self,
+        dim: int,
+        kind: str = "cosine",
+        standardize: bool = True,
+        sharpness: float = 2.0,
+        proj_dim: int | None = None,
+    ):
         super().__init__()
         self.kind = kind
         self.standardize = standardize
         self.sharpness = sharpness
+        width = proj_dim or dim  # SpiderArgs.boundary_dim: the projections' output width
         if kind == "mlp":
-            self.proj = nn.Linear(dim, dim)
-            self.out = nn.Linear(dim, 1)
+            self.proj = nn.Linear(dim, width)
+            self.out = nn.Linear(width, 1)
         else:
-            self.q_proj = nn.Linear(dim, dim, bias=False)
-            self.k_proj = nn.Linear(dim, dim, bias=False)
+            self.q_proj = nn.Linear(dim, width, bias=False)
+            self.k_proj = nn.Linear(dim, width, bias=False)
         # shape (1,), not a scalar: FSDP2's fully_shard cannot shard 0-d parameters
         self.threshold = nn.Parameter(torch.empty(1)) if standardize else None
 
@@ -155,7 +163,9 @@ class BoundaryPredictor(nn.Module):
 
     def init_weights(self, init_std: float, target_bytes_per_segment: float) -> None:
         """mlp: small weights and an output bias that starts the boundary rate at 1/target;
-        cosine: identity projections (H-Net); threshold: Phi^-1(1 - 1/target)."""
+        cosine: identity projections (H-Net); narrower (``boundary_dim``) the identity's first rows,
+        so q and k both read the same first coordinates of the prelude state (at a random init as
+        good a projection as any); threshold: Phi^-1(1 - 1/target)."""
         rate = min(1.0 / target_bytes_per_segment, 1.0 - 1e-6)
         if self.kind == "mlp":
             nn.init.trunc_normal_(self.proj.weight, std=init_std)
