@@ -221,8 +221,15 @@ class SpiderArgs:
     shape only a few times, and cuDNN attention reuses its per-shape graphs. The padding segments
     are masked: outputs, losses and reported figures equal the unbucketed model's. The cost is
     core work on up to bucket - 1 extra segments (1B, seq 4096, ~1000 segments: at most 6 % with
-    64), so the debug flavor (64-256 bytes, ~16-64 segments, eager on CPU) leaves it off and the
-    1B flavor uses 64."""
+    64; with ``pack_segments`` only the core's attention sees them), so the debug flavor (64-256
+    bytes, ~16-64 segments, eager on CPU) leaves it off and the 1B flavor uses 64."""
+    pack_segments: bool = True
+    """The core's per-segment work (projections, LoRA, Engram, MoE) on the batch's real segments only,
+    packed into one row; its attention lays them out as (B, S) rows again (attention.PackedRows). False:
+    every row is padded to the largest row's segment count S and the padding is computed (and never
+    read). Learned segmentation gives rows different counts: padded, the core did 11 % more segment
+    slots than segments on the built-in corpus (`small`, 8 rows of 256 bytes; 9 % at 2048 bytes).
+    The outputs are the same either way up to rounding; the FLOPs per byte count what runs."""
 
     # ---- loss weights
     moe_aux_coeff: float = 0.01
@@ -407,6 +414,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_band_inner": 0.0,
     "boundary_band_upper": 1.0,
     "boundary_dim": 0,
+    "pack_segments": False,
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

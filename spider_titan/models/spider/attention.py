@@ -10,12 +10,19 @@ The same module serves the byte layers (positions = byte indices) and the core (
 segment indices): the caller passes the rotation table. A core block may hand in per-loop LoRA
 deltas for the query and output projections; ``wq`` and ``wo`` stay plain ``nn.Linear`` so the
 float8 converter can swap them.
+
+Packed rows (``PackedRows``, the core under ``SpiderArgs.pack_segments``): x holds only the batch's
+real positions, one packed row (1, N, dim), and ``freqs`` one rotation per position (1, N, rope/2, 2).
+The projections run on the N positions; queries, keys and values are laid out as (B, S) rows for
+the causal attention (zeros in the padding, which sits after every real position of its row, so no
+real query sees it) and the output is packed again before ``wo``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,32 @@ from spider_titan.models.spider.args import SpiderArgs
 
 # x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
 Adapter = Callable[[torch.Tensor], torch.Tensor]
+
+
+class PackedRows(NamedTuple):
+    """Where the N positions of a packed row sit in a padded (B, S) batch: ``index`` (N,) int64, flat
+    slots ``b * S + s`` in increasing order; ``valid`` (B, S) bool, True at those slots."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, valid: torch.Tensor, count: int) -> PackedRows:
+        """From the (B, S) mask and its number of True slots (a host int: no sync here)."""
+        return cls(torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1), valid)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (1, N, ...)"""
+        return x.flatten(0, 1).index_select(0, self.index).unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """(1, N, ...) -> (B, S, ...): ``into`` (B, S, ...) with its valid slots replaced by x (out of place)."""
+        return into.flatten(0, 1).index_copy(0, self.index, x.squeeze(0)).view_as(into)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N, ...) -> (B, S, ...), zeros in the padding."""
+        B, S = self.valid.shape
+        return self.unpack(x, x.new_zeros(B, S, *x.shape[2:]))
 
 
 class KVCache:
@@ -88,9 +121,11 @@ class MLA(nn.Module):
         q_adapter: Adapter | None = None,
         o_adapter: Adapter | None = None,
         cache: KVCache | None = None,
+        packed: PackedRows | None = None,
     ) -> torch.Tensor:
         """``cache`` (incremental decoding, decode.py): x holds only new positions (``freqs`` theirs);
-        their keys and values are appended to the cache and the queries attend to everything in it."""
+        their keys and values are appended to the cache and the queries attend to everything in it.
+        ``packed``: x is one packed row (module docstring)."""
         b, t, _ = x.shape
         h = self.n_heads
         q = self.wq(x)
@@ -107,7 +142,11 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, t, h, self.qk_rope_head_dim)], dim=-1)  # (B, T, H, qk)
 
-        if cache is None:
+        if packed is not None:  # attention over the (B, S) rows, then the N positions again
+            q, k, v = packed.pad(q), packed.pad(k), packed.pad(v)
+            out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)
+            out = packed.pack(out.transpose(1, 2)).transpose(1, 2)  # (1, H, N, v)
+        elif cache is None:
             out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)  # (B, H, T, v)
         else:
             k, v = cache.extend(k, v)  # (B, past + T, H, ...)

@@ -12,8 +12,10 @@ The core runs on segments, so its cost per byte scales with ``n_loops / bytes_pe
 (under truncated backprop, loops before the last ``backprop_loops`` cost their forward only);
 both are inputs (defaults: the args' ``n_loops`` and ``target_bytes_per_segment``, a planning
 estimate). The honest number for a step is ``aux["flops_per_byte"]`` of its training forward,
-computed with ``n_loops = loops_run`` and ``bytes_per_segment = T / S``, S being the batch's
-largest segment count: the core runs on (B, S) segments, padding included.
+computed with ``n_loops = loops_run``, ``row_segments = S`` (the batch's largest segment count: the
+attention, ``inject``, ``up_proj`` and smoothing run on (B, S) rows, padding included) and
+``bytes_per_segment`` = the bytes per segment the core's per-segment work sees: B T / (real
+segments) under ``pack_segments``, else T / S (padding computed).
 """
 
 from __future__ import annotations
@@ -27,17 +29,21 @@ def spider_flops_breakdown(
     n_loops: float | None = None,
     bytes_per_segment: float | None = None,
     backprop_loops: float | None = None,
+    row_segments: float | None = None,
 ) -> dict[str, float]:
     """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``.
     ``backprop_loops``: the loops that also run backward (default: the args' ``backprop_loops``,
-    0 meaning every loop); the others cost their forward only (truncated backprop)."""
+    0 meaning every loop); the others cost their forward only (truncated backprop).
+    ``row_segments``: segment slots per row of the (B, S) layout (default ``seq_len /
+    bytes_per_segment``, no padding); ``bytes_per_segment`` then sets the per-segment work only."""
     a = args
     loops = a.n_loops if n_loops is None else n_loops
     k = a.backprop_loops if backprop_loops is None else backprop_loops
     grad_loops = loops if k <= 0 else min(k, loops)
     bps = a.target_bytes_per_segment if bytes_per_segment is None else bytes_per_segment
     T = float(seq_len)
-    S = T / bps  # segments per sequence
+    S = T / bps if row_segments is None else float(row_segments)  # segment slots per row
+    per_slot = S / T  # (B, S) slots per byte: what the attention and the row-level parts run on
     d, H = a.dim, a.n_heads
     db = a.byte_dim or d  # the byte-level width (embeddings, byte blocks, predictor input, head)
     dp = a.boundary_dim or db  # the predictor's projection width
@@ -60,16 +66,17 @@ def spider_flops_breakdown(
         return (mm(qk, context) * H + mm(context, a.v_head_dim) * H) / 2
 
     n_bytes_blocks = a.n_prelude + a.n_coda
-    per_segment_loop = {  # one segment through one loop of the core
-        "core_attention_proj": a.n_core * attn_proj,
-        "core_attention_scores": a.n_core * attn_scores(S),
+    per_loop = {  # one loop of the core, per byte: per segment (/ bps) or per (B, S) slot (* per_slot)
+        "core_attention_proj": a.n_core * attn_proj / bps,
+        "core_attention_scores": a.n_core * attn_scores(S) * per_slot,
         "core_lora": a.n_core
         * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk) + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d))
-        * a.loop_lora,
-        "moe_router": a.n_core * mm(d, a.n_experts),
-        "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim),
-        "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d),
-        "act_halting": mm(d, 1) * (a.halting == "act"),
+        * a.loop_lora
+        / bps,
+        "moe_router": a.n_core * mm(d, a.n_experts) / bps,
+        "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
+        "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
+        "act_halting": mm(d, 1) * (a.halting == "act") * per_slot,
     }
     fwd = {
         "byte_blocks": n_bytes_blocks * (attn_proj_at(db) + 3 * mm(db, a.inter_dim) * a.byte_mlp),
@@ -84,16 +91,16 @@ def spider_flops_breakdown(
             # a second pass on the detached prelude for the boundary loss (weight gradients only)
             + (2.0 / 3.0) * (a.router_grad and not a.boundary_prelude_grad)
         ),
-        "inject_up_proj": 2 * mm(db, d) / bps,  # once per segment each: byte_dim -> dim and back
+        "inject_up_proj": 2 * mm(db, d) * per_slot,  # once per (B, S) slot each: byte_dim -> dim and back
         "residual_proj": mm(db, db) * a.stage_init,
         # the EMA over segments as one (S x S) @ (S x byte_dim) product per row
-        "dechunk_smoothing": mm(S, db) / bps * a.dechunk_smoothing,
-        **{k: v * loops / bps for k, v in per_segment_loop.items()},
+        "dechunk_smoothing": mm(S, db) * per_slot * a.dechunk_smoothing,
+        **{k: v * loops for k, v in per_loop.items()},
         "lm_head": mm(db, VOCAB_SIZE),
     }
     out = {k: 3.0 * v for k, v in fwd.items()}
     # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.
-    out.update({k: v * (loops + 2.0 * grad_loops) / bps for k, v in per_segment_loop.items()})
+    out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
     return out
 
 
@@ -103,6 +110,7 @@ def spider_flops_per_byte(
     n_loops: float | None = None,
     bytes_per_segment: float | None = None,
     backprop_loops: float | None = None,
+    row_segments: float | None = None,
 ) -> float:
     """Training (fwd + bwd) FLOPs per input byte; also Spider's ``ModelSpec.flops_per_token``."""
-    return sum(spider_flops_breakdown(args, seq_len, n_loops, bytes_per_segment, backprop_loops).values())
+    return sum(spider_flops_breakdown(args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments).values())

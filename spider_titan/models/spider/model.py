@@ -25,14 +25,16 @@ exactly that many loops; with ``halting = "act"`` at most that many (eval stops 
 segment has halted).
 
 ``aux["flops_per_byte"]``: training FLOPs (fwd + bwd) per input byte of this very forward, from
-the batch's largest segment count (short rows' padding included, ``segment_bucket`` padding not:
-the bucket leaves every reported figure unchanged), ``loops_run`` (forward) and the loops with a
-graph (backward; fewer under truncated backprop, ``backprop_loops``)
+the batch's segment counts (the core's per-segment work on its real segments under ``pack_segments``,
+else on every row padded to the largest row's count; its attention over rows of that count;
+``segment_bucket`` padding not counted: the bucket leaves every reported figure unchanged),
+``loops_run`` (forward) and the loops with a graph (backward; fewer under truncated backprop,
+``backprop_loops``)
 (``spider_flops_per_byte``, causal attention counted halved like the dense baseline); a
 detached scalar made from host ints, so it costs no extra sync.
 
-Host syncs: one per forward (the largest segment count S); with ACT at eval one more per loop
-for the early exit.
+Host syncs: one per forward (the largest segment count S and the total, read together); with ACT
+at eval one more per loop for the early exit.
 
 Initialisation (``init_weights()``, after ``to_empty``; there are no buffers: RoPE tables are
 computed per call, the MoE's ``expert_bias`` is zeroed by ``MoE.init_weights``):
@@ -62,7 +64,7 @@ from torch import nn
 
 from spider_titan.models.common import PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
 from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, SpiderArgs
-from spider_titan.models.spider.attention import MLA
+from spider_titan.models.spider.attention import MLA, PackedRows
 from spider_titan.models.spider.calibration import calibrate_extra_loops
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.models.spider.flops import spider_flops_per_byte
@@ -252,6 +254,7 @@ class Spider(nn.Module):
             early_exit=not self.training,
             backprop_loops=a.backprop_loops if self.training else 0,
             init_keys=sample_ids if self.training else None,
+            packed=PackedRows.of(seg.seg_valid, seg.total_segments) if a.pack_segments else None,
         )
         y = self.up_proj(core.output)  # (B, S, dim)
         if a.dechunk_smoothing:
@@ -289,16 +292,18 @@ class Spider(nn.Module):
             "loops_run": torch.full((), float(core.loops_run), device=device),
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
-            # From host ints, no extra sync: the core's work on the batch's largest segment count
-            # (short rows padded to it), without the bucket's padding (overhead, not model FLOPs).
+            # From host ints, no extra sync: the core's work per segment on the batch's real segments
+            # (pack_segments) or on every row padded to the largest row's count, and its attention over
+            # rows of that count; without the bucket's padding (overhead, not model FLOPs).
             FLOPS_PER_BYTE: torch.full(
                 (),
                 spider_flops_per_byte(
                     a,
                     T,
                     n_loops=core.loops_run,
-                    bytes_per_segment=T / seg.max_row_segments,
+                    bytes_per_segment=B * T / seg.total_segments if a.pack_segments else T / seg.max_row_segments,
                     backprop_loops=core.backprop_loops,
+                    row_segments=seg.max_row_segments,
                 ),
                 device=device,
             ),

@@ -12,7 +12,10 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
 3. Each core block j: ``h += attn(attention_norm(h))`` (MLA, causal over segments, RoPE by segment
    index, loop i's LoRA on ``wq``/``wo`` unless ``loop_lora = false``); Engram at the blocks in ``engram_layers``
    (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
-   token mask (padding segments are computed but left out of the load statistics).
+   token mask (padding segments left out of the load statistics). Under ``pack_segments`` (default)
+   a block runs on the batch's real segments only, packed into one row (attention.PackedRows: the
+   attention lays them out as (B, S) rows, everything else is per segment), and leaves the padding
+   slots of ``h`` as they were; without it padding segments are computed too (and never read).
    With ``loop_step_size``, the loop hands on ``h_in + g_i (h - h_in)`` (``h_in`` the state it
    received, 0 for the first loop), a learned step size ``g_i`` per loop index (starting at 1).
    With ``loop_state_norm``, ``h = state_norm(h)`` ends every loop (the scale handed on does not
@@ -69,7 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.spider.args import SpiderArgs
-from spider_titan.models.spider.attention import MLA, KVCache
+from spider_titan.models.spider.attention import MLA, KVCache, PackedRows
 from spider_titan.models.spider.engram import Engram
 from spider_titan.models.spider.segmentation import keyed_uniform
 from spider_titan.moe.layer import MoE
@@ -152,8 +155,9 @@ class CoreBlock(nn.Module):
     """One weight-shared core block (MLA + per-loop LoRA, optional Engram, MoE).
 
     ``forward(h (B, S, dim), loop, freqs, bucket_ids (B, S, 2), seg_mask (B, S))
-    -> (h, moe_aux_loss (scalar), moe_counts (E,))``; tensors only, so activation checkpointing
-    and torch.compile can wrap it as is.
+    -> (h, moe_aux_loss (scalar), moe_counts (E,))``; tensors only (``packed`` a tuple of two), so
+    activation checkpointing and torch.compile can wrap it as is. ``packed``: the block's work on the
+    real segments only (module docstring, item 3); ``h``'s padding slots come back unchanged.
     """
 
     def __init__(self, args: SpiderArgs, layer_id: int):
@@ -187,7 +191,13 @@ class CoreBlock(nn.Module):
         bucket_ids: torch.Tensor,
         seg_mask: torch.Tensor,
         cache: KVCache | None = None,
+        packed: PackedRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        padded = h
+        if packed is not None:  # (B, S, ...) -> (1, N, ...); RoPE by each segment's index in its row
+            S = packed.valid.shape[1]
+            h, bucket_ids, seg_mask = packed.pack(h), packed.pack(bucket_ids), packed.pack(seg_mask)
+            freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2)
         lora = self.lora
         h = h + self.attention(
             self.attention_norm(h),
@@ -195,11 +205,15 @@ class CoreBlock(nn.Module):
             q_adapter=None if lora is None else (lambda x: lora.q_delta(x, loop)),
             o_adapter=None if lora is None else (lambda x: lora.o_delta(x, loop)),
             cache=cache,
+            packed=packed,
         )
         if self.engram is not None:
             h = h + self.engram(h, bucket_ids)
         y, stats = self.moe(self.moe_norm(h), token_mask=seg_mask)
-        return h + y, stats.aux_loss, stats.counts
+        h = h + y
+        if packed is not None:
+            h = packed.unpack(h, padded)
+        return h, stats.aux_loss, stats.counts
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
@@ -307,10 +321,12 @@ class RecurrentCore(nn.Module):
         backprop_loops: int = 0,
         init_keys: torch.Tensor | None = None,
         caches: list[list[KVCache]] | None = None,
+        packed: PackedRows | None = None,
     ) -> CoreOutput:
         """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
         under no_grad (truncated backprop, module docstring item 6). ``init_keys`` (B,) int64: with
-        ``loop_init_std`` > 0, the keys of the random initial state (``initial_state``)."""
+        ``loop_init_std`` > 0, the keys of the random initial state (``initial_state``). ``packed``
+        (``seg_valid``'s slots): the blocks work on the real segments only (module docstring, item 3)."""
         B, S, _ = s.shape
         truncate = backprop_loops > 0 and torch.is_grad_enabled()
         first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
@@ -344,9 +360,12 @@ class RecurrentCore(nn.Module):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
                 for t, dim in ((h, 1), (freqs, 0), (bucket_ids, 1), (seg_real, 1)):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
+                if packed is not None:
+                    torch._dynamo.maybe_mark_dynamic(packed.index, 0)
+                    torch._dynamo.maybe_mark_dynamic(packed.valid, 1)
                 for j, block in enumerate(self.layers):
                     if caches is None:
-                        h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real)
+                        h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, packed=packed)
                     else:  # incremental decoding (decode.py): loop i's keys and values of block j
                         h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, caches[i][j])
                     if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph

@@ -197,6 +197,7 @@ class Segmentation:
     seg_real:      (B, S) bool, the segment exists and holds real (non-PAD) bytes
     num_segments:  S (a host int), the largest row's segment count rounded up to the bucket
     max_row_segments: the largest row's segment count (a host int, <= S; S without a bucket)
+    total_segments: the segments of all rows together (a host int, = seg_valid.sum())
     """
 
     boundaries: torch.Tensor
@@ -213,6 +214,7 @@ class Segmentation:
     seg_real: torch.Tensor
     num_segments: int
     max_row_segments: int
+    total_segments: int
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -322,7 +324,7 @@ def segment_bytes(
     seg_id = _exclusive_cumsum(boundaries.long())
     pos_in_seg = idx - _previous_boundary(boundaries) - 1
     n_segments = boundaries.sum(dim=1)  # (B,) the last byte always ends a segment
-    max_row = int(n_segments.max())  # the one host sync of the forward pass
+    max_row, total = torch.stack([n_segments.max(), n_segments.sum()]).tolist()  # the one host sync of the forward
     S = min(T, -(-max_row // bucket) * bucket) if bucket > 1 else max_row
     # Stable sort puts the boundary positions first, in order: the ends of segments 0..n_b-1.
     ends = torch.sort((~boundaries).to(torch.uint8), dim=1, stable=True).indices[:, :S]  # (B, S)
@@ -343,6 +345,7 @@ def segment_bytes(
         seg_real=seg_real,
         num_segments=S,
         max_row_segments=max_row,
+        total_segments=total,
     )
 
 
