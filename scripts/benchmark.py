@@ -32,6 +32,8 @@ TRAIN_SCENARIOS: dict[str, tuple[str, list[str]]] = {
     "dense_debug": ("train_configs/debug_dense.toml", []),
     "spider_debug": ("train_configs/debug_model.toml", []),
     "spider_debug_compiled": ("train_configs/debug_model.toml", ["--training.compile", "true"]),
+    # the core on every row padded to the largest segment count (beside spider_debug: what packing saves)
+    "spider_debug_padded": ("train_configs/debug_model.toml", ["--model.pack_segments", "false"]),
 }
 
 # name -> function(args) -> dict of results

@@ -249,7 +249,14 @@ RUNS = [
         SPIDER_CONFIG,
         ("--model.boundary_dim", "32"),
         "the boundary predictor's q/k projections at width 32 instead of the byte width (a quarter of debug's, "
-        "an eighth of small's): the FLOPs of learned segmentation that fixed segments never spend, cut",
+        "an eighth of small's); the debug and small flavors' own since 2026-11-26, so there the spider row",
+    ),
+    Run(
+        "spider_full_width_predictor",
+        SPIDER_CONFIG,
+        ("--model.boundary_dim", "0"),
+        "the boundary predictor's q/k projections at the byte width (H-Net's square routing module; debug and "
+        "small before 2026-11-26)",
     ),
     Run(
         "spider_boundary_loss_predictor_only",

@@ -75,10 +75,10 @@ def test_narrow_byte_stack_is_causal(monkeypatch, train):
         assert after > 1e-4, f"u={u}: changing byte u changed nothing (vacuous test)"
 
 
-def test_boundary_dim_full_width_is_todays_predictor():
+def test_boundary_dim_full_width_is_hnets_predictor():
     """boundary_dim = 0 and = the byte width build the same square, identity-initialised q/k projections
-    and the same logits."""
-    default, explicit = build(), build(boundary_dim=128)
+    (H-Net's routing module, the debug flavor's before it took 32) and the same logits."""
+    default, explicit = build(boundary_dim=0), build(boundary_dim=128)
     for name in ("boundary_predictor.q_proj.weight", "boundary_predictor.k_proj.weight"):
         assert torch.equal(default.state_dict()[name], torch.eye(128))
         assert torch.equal(explicit.state_dict()[name], torch.eye(128))

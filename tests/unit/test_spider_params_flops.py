@@ -133,7 +133,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
         (2, 256, {"byte_dim": 64}, None),
         (2, 128, {"byte_dim": 48, "byte_mlp": False, "boundary_predictor": "mlp", "boundary_ste": True}, None),
-        (2, 256, {"boundary_dim": 32}, None),
+        (2, 256, {"boundary_dim": 0}, None),
     ],
     ids=[
         "default",
@@ -147,7 +147,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "truncated",
         "byte_dim",
         "byte_dim_no_byte_mlp",
-        "boundary_dim",
+        "full_width_predictor",
     ],
 )
 def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):

@@ -140,7 +140,7 @@ class SpiderArgs:
     identity-initialised). Narrower, both start as the identity's first rows (``q_t`` and ``k_t`` the same
     first coordinates of the prelude state, as the identity makes them the same state), and the
     predictor's share of the FLOPs per byte (5 % of debug's and ``small``'s at full width) shrinks in
-    proportion: compute that fixed segments never spend."""
+    proportion: compute that fixed segments never spend. The debug and ``small`` flavors use 32."""
     boundary_loss: Literal["ratio", "hinge"] = "ratio"
     """``ratio``: H-Net's two-sided ratio loss, minimal at the target compression; ``hinge``:
     FlexiTokens' relu(rate - 1/target), which only penalises too many boundaries."""
@@ -418,11 +418,15 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
-    # ~1.0 M parameters: for CPU tests and the debug config.
-    "debug": SpiderArgs(),
+    # ~1.0 M parameters: for CPU tests and the debug config. boundary_dim 32 (since 2026-11-26; the
+    # byte width before): measured at equal FLOPs on both corpora at debug and small
+    # (docs/experiments.md, "Learned segmentation's compute overhead"); 1B keeps H-Net's square
+    # projections, where they are a smaller share of its FLOPs and the narrow one is unmeasured.
+    "debug": SpiderArgs(boundary_dim=32),
     # ~4x debug's training FLOPs per byte (4.1x at seq 256; 4.7 M parameters): the second scale of the
     # quality study (docs/benchmarks.md), every width doubled, the structure of debug kept.
     "small": SpiderArgs(
+        boundary_dim=32,
         dim=256,
         kv_lora_rank=64,
         qk_nope_head_dim=64,
