@@ -27,7 +27,11 @@ TAIL += ["--model.loop_step_size", "true"]
 def test_one_rank_and_two_ranks_sample_the_same_loops(tmp_path, overrides, expected_loops, logged):
     """1 rank x 4 samples vs FSDP 2 ranks x 2 samples, 2 micro-batches per step: the same loop
     count per step and every step's loss (and, with step sizes, the logged step size of loop 4, a
-    parameter of the root FSDP unit) within 1e-5. Measured (2026-11-23, 2 shared cores): ~30 s for
+    parameter of the root FSDP unit) within 5e-5. The two splits differ in the last bits (other matmul
+    shapes), and AdamW and the hard segment and routing decisions grow that over the steps: with the
+    poisson_lognormal draw the loss was 1e-6 apart at step 3, 2.8e-6 at step 4 and 1.6e-5 at step 5
+    (2026-11-26, debug with boundary_dim 32; 1.3e-5 with the core padded). A split that changed the
+    loops or the batch would be 1e-3 or more apart. Measured (2026-11-23, 2 shared cores): ~30 s for
     both runs."""
     losses, loops = {}, {}
     for name, batch, nprocs in (("one", "4", 1), ("two", "2", 2)):
@@ -45,4 +49,4 @@ def test_one_rank_and_two_ranks_sample_the_same_loops(tmp_path, overrides, expec
         assert losses["one"][5][1] != 1.0
     for step, ref in losses["one"].items():
         for got, want in zip(losses["two"][step], ref):
-            assert abs(got - want) <= 1e-5 * abs(want), (step, ref, losses["two"][step])
+            assert abs(got - want) <= 5e-5 * abs(want), (step, ref, losses["two"][step])

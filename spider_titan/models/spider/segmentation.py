@@ -324,7 +324,8 @@ def segment_bytes(
     seg_id = _exclusive_cumsum(boundaries.long())
     pos_in_seg = idx - _previous_boundary(boundaries) - 1
     n_segments = boundaries.sum(dim=1)  # (B,) the last byte always ends a segment
-    max_row, total = torch.stack([n_segments.max(), n_segments.sum()]).tolist()  # the one host sync of the forward
+    counts = n_segments.tolist()  # the one host sync of the forward: every row's segment count
+    max_row, total = max(counts), sum(counts)
     S = min(T, -(-max_row // bucket) * bucket) if bucket > 1 else max_row
     # Stable sort puts the boundary positions first, in order: the ends of segments 0..n_b-1.
     ends = torch.sort((~boundaries).to(torch.uint8), dim=1, stable=True).indices[:, :S]  # (B, S)
