@@ -224,8 +224,8 @@ class SpiderArgs:
     64; with ``pack_segments`` only the core's attention sees them), so the debug flavor (64-256
     bytes, ~16-64 segments, eager on CPU) leaves it off and the 1B flavor uses 64."""
     pack_segments: bool = True
-    """The core's per-segment work (projections, LoRA, Engram, MoE) on the batch's real segments only,
-    packed into one row; its attention lays them out as (B, S) rows again (attention.PackedRows). False:
+    """The core's per-segment work (``inject``, projections, LoRA, Engram, MoE) on the batch's real segments
+    only, packed into one row; its attention lays them out as (B, S) rows again (attention.PackedRows). False:
     every row is padded to the largest row's segment count S and the padding is computed (and never
     read). Learned segmentation gives rows different counts: padded, the core did 11 % more segment
     slots than segments on the built-in corpus (`small`, 8 rows of 256 bytes; 9 % at 2048 bytes).

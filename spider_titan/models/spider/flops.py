@@ -13,7 +13,7 @@ The core runs on segments, so its cost per byte scales with ``n_loops / bytes_pe
 both are inputs (defaults: the args' ``n_loops`` and ``target_bytes_per_segment``, a planning
 estimate). The honest number for a step is ``aux["flops_per_byte"]`` of its training forward,
 computed with ``n_loops = loops_run``, ``row_segments = S`` (the batch's largest segment count: the
-attention, ``inject``, ``up_proj`` and smoothing run on (B, S) rows, padding included) and
+attention, ``up_proj`` and smoothing run on (B, S) rows, padding included) and
 ``bytes_per_segment`` = the bytes per segment the core's per-segment work sees: B T / (real
 segments) under ``pack_segments``, else T / S (padding computed).
 """
@@ -45,8 +45,8 @@ def spider_flops_breakdown(
     S = T / bps if row_segments is None else float(row_segments)  # segment slots per row
     per_slot = S / T  # (B, S) slots per byte: what the attention and the row-level parts run on
     d, H = a.dim, a.n_heads
-    db = a.byte_dim or d  # the byte-level width (embeddings, byte blocks, predictor input, head)
-    dp = a.boundary_dim or db  # the predictor's projection width
+    db = a.byte_width  # the byte-level width (embeddings, byte blocks, predictor input, head)
+    dp = a.boundary_width  # the predictor's projection width
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
 
     def mm(m: float, n: float) -> float:  # one row through an (m -> n) matmul
@@ -91,7 +91,8 @@ def spider_flops_breakdown(
             # a second pass on the detached prelude for the boundary loss (weight gradients only)
             + (2.0 / 3.0) * (a.router_grad and not a.boundary_prelude_grad)
         ),
-        "inject_up_proj": 2 * mm(db, d) * per_slot,  # once per (B, S) slot each: byte_dim -> dim and back
+        # byte_dim -> dim once per segment (the core's input, packed with it), dim -> byte_dim per (B, S) slot
+        "inject_up_proj": mm(db, d) / bps + mm(d, db) * per_slot,
         "residual_proj": mm(db, db) * a.stage_init,
         # the EMA over segments as one (S x S) @ (S x byte_dim) product per row
         "dechunk_smoothing": mm(S, db) * per_slot * a.dechunk_smoothing,

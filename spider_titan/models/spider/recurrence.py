@@ -13,9 +13,10 @@ Loop i of ``n_loops`` on the segment states ``s (B, S, byte_dim)``, starting fro
    index, loop i's LoRA on ``wq``/``wo`` unless ``loop_lora = false``); Engram at the blocks in ``engram_layers``
    (``h += engram(h, bucket_ids)``); ``h += moe(moe_norm(h))`` with the segment mask as the MoE's
    token mask (padding segments left out of the load statistics). Under ``pack_segments`` (default)
-   a block runs on the batch's real segments only, packed into one row (attention.PackedRows: the
-   attention lays them out as (B, S) rows, everything else is per segment), and leaves the padding
-   slots of ``h`` as they were; without it padding segments are computed too (and never read).
+   the loops run on the batch's real segments only, packed once into one row (attention.PackedRows:
+   each block's attention lays them out as (B, S) rows, everything else is per segment), and the
+   output is laid out as (B, S) again at the end (zeros in the padding); without it padding segments
+   are computed too (and never read).
    With ``loop_step_size``, the loop hands on ``h_in + g_i (h - h_in)`` (``h_in`` the state it
    received, 0 for the first loop), a learned step size ``g_i`` per loop index (starting at 1).
    With ``loop_state_norm``, ``h = state_norm(h)`` ends every loop (the scale handed on does not
@@ -156,8 +157,9 @@ class CoreBlock(nn.Module):
 
     ``forward(h (B, S, dim), loop, freqs, bucket_ids (B, S, 2), seg_mask (B, S))
     -> (h, moe_aux_loss (scalar), moe_counts (E,))``; tensors only (``packed`` a tuple of two), so
-    activation checkpointing and torch.compile can wrap it as is. ``packed``: the block's work on the
-    real segments only (module docstring, item 3); ``h``'s padding slots come back unchanged.
+    activation checkpointing and torch.compile can wrap it as is. ``packed``: h, bucket_ids and
+    seg_mask hold one packed row (1, N, ...) and freqs one rotation per segment (module docstring,
+    item 3); the attention needs the rows' layout.
     """
 
     def __init__(self, args: SpiderArgs, layer_id: int):
@@ -193,11 +195,6 @@ class CoreBlock(nn.Module):
         cache: KVCache | None = None,
         packed: PackedRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        padded = h
-        if packed is not None:  # (B, S, ...) -> (1, N, ...); RoPE by each segment's index in its row
-            S = packed.valid.shape[1]
-            h, bucket_ids, seg_mask = packed.pack(h), packed.pack(bucket_ids), packed.pack(seg_mask)
-            freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2)
         lora = self.lora
         h = h + self.attention(
             self.attention_norm(h),
@@ -210,10 +207,7 @@ class CoreBlock(nn.Module):
         if self.engram is not None:
             h = h + self.engram(h, bucket_ids)
         y, stats = self.moe(self.moe_norm(h), token_mask=seg_mask)
-        h = h + y
-        if packed is not None:
-            h = packed.unpack(h, padded)
-        return h, stats.aux_loss, stats.counts
+        return h + y, stats.aux_loss, stats.counts
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
@@ -326,8 +320,14 @@ class RecurrentCore(nn.Module):
         """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
         under no_grad (truncated backprop, module docstring item 6). ``init_keys`` (B,) int64: with
         ``loop_init_std`` > 0, the keys of the random initial state (``initial_state``). ``packed``
-        (``seg_valid``'s slots): the blocks work on the real segments only (module docstring, item 3)."""
+        (``seg_valid``'s slots): the loops run on the real segments only (module docstring, item 3)."""
         B, S, _ = s.shape
+        h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)  # keyed by (row, segment)
+        if packed is not None:  # (B, S, ...) -> (1, N, ...) once for every loop and block
+            s, bucket_ids, seg_real, seg_valid = (packed.pack(t) for t in (s, bucket_ids, seg_real, seg_valid))
+            freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2): index in its row
+            h0 = None if h0 is None else packed.pack(h0)
+            B, S = 1, s.shape[1]
         truncate = backprop_loops > 0 and torch.is_grad_enabled()
         first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
         injected = self.inject(s)  # (B, S, dim), the same every loop
@@ -340,7 +340,6 @@ class RecurrentCore(nn.Module):
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
 
         loops_run = 0
-        h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)
         h0 = None if h0 is None else h0.to(s.dtype)
         steps = None if self.loop_step is None else self.step_sizes()  # (max_loops,) fp32
         gains = self.extra_loop_gain if not self.training and self.halt_predictor is None else None
@@ -358,7 +357,7 @@ class RecurrentCore(nn.Module):
                 # the segment count S as a symbol, so one graph serves every loop and every batch
                 # instead of a recompile per loop index and per new S.
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
-                for t, dim in ((h, 1), (freqs, 0), (bucket_ids, 1), (seg_real, 1)):
+                for t, dim in ((h, 1), (freqs, freqs.dim() - 3), (bucket_ids, 1), (seg_real, 1)):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
                 if packed is not None:
                     torch._dynamo.maybe_mark_dynamic(packed.index, 0)
@@ -391,10 +390,11 @@ class RecurrentCore(nn.Module):
 
         grad_loops = loops_run - min(first_grad_loop, loops_run)
         moe_aux_loss = aux_sum / (max(grad_loops, 1) * len(self.layers))
+        rows = (lambda t: t) if packed is None else packed.pad  # the output as (B, S) rows again
         if self.halt_predictor is None:  # fixed depth: every segment used every loop
             zero = s.new_zeros((), dtype=torch.float32)
             return CoreOutput(
-                output=self.norm(h),
+                output=rows(self.norm(h)),
                 moe_aux_loss=moe_aux_loss,
                 moe_counts=counts,
                 ponder_loss=zero,
@@ -408,7 +408,7 @@ class RecurrentCore(nn.Module):
             sums = self.reduce_stats(sums)  # over the data-parallel ranks
         n_real = sums[2].clamp(min=1.0)
         return CoreOutput(
-            output=out.to(s.dtype),
+            output=rows(out.to(s.dtype)),
             moe_aux_loss=moe_aux_loss,
             moe_counts=counts,
             ponder_loss=sums[0] / n_real,
