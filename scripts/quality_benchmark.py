@@ -6,12 +6,15 @@ the same training-FLOPs budget on the same corpus, validated on the whole val sp
     python scripts/quality_benchmark.py --runs spider,dense  # a subset (names: --list)
 
 Every run is ``python -m spider_titan.train`` with the shipped debug configs plus overrides (no
-other code path): ``--training.steps`` is chosen per run so that steps x FLOPs per step reaches
-the budget. FLOPs per step: the dense model's formula (``ModelSpec.flops_per_token``, exact for
-it); for Spider a short probe run reads the FLOPs the trainer logged over its second half
-(``train_flops``, from the model's ``aux["flops_per_byte"]``: the segments and loops actually run),
-because the core's cost depends on the learned segmentation, and plans ``--margin`` (10 %) more
-steps so the budget is reached. The table reports the FLOPs each run really used.
+other code path). By default (``--length flops``) each run trains to the budget itself
+(``--training.flops_budget``): it stops at the first step whose training FLOPs reach the budget,
+and its learning rate decays over the steps the budget affords at the FLOPs per step spent so far,
+so every run gets the same compute however its cost per step drifts. The FLOPs are the model's own
+count (Spider's ``aux["flops_per_byte"]``: the segments and loops actually run; the dense model's
+formula). A short probe run per row still sets the step cap (``--cap`` times its estimate) and the
+validation interval. ``--length steps`` plans ``--training.steps`` from the probe instead (over its
+second half, ``--margin`` more for Spider: how the tables before 2026-11-27 were made). The table
+reports the FLOPs each run really used.
 
 Outputs under ``--out``: one dump folder per run (``metrics.jsonl``), ``quality.md`` (the table)
 and ``quality.png`` (val bpb against training FLOPs). ``--plot-to`` also copies the picture
@@ -435,15 +438,21 @@ def run_one(run: Run, args, extra: list[str]) -> dict:
     out = Path(args.out)
     budget = args.flops if run.name in ("spider", "dense") else args.ablation_flops or args.flops
     per_step = flops_per_step(run, out, extra, args.probe_steps, args.threads)
-    # A margin for Spider: its FLOPs per step drift with the segmentation, and the budget is a floor.
-    margin = args.margin if run.config == SPIDER_CONFIG else 1.0
-    steps = max(1, math.ceil(margin * budget / per_step))
-    val_freq = max(1, math.ceil(steps / args.val_points))
+    if args.length == "flops":  # the run spends the budget itself; the probe sets its cap and validations
+        estimate = max(1, math.ceil(budget / per_step))
+        steps = math.ceil(args.cap * estimate)
+        length = ["--training.flops_budget", f"{budget:.6g}"]
+        plan = f"~{estimate} steps to {budget:.3g} FLOPs (at most {steps})"
+    else:  # a margin for Spider: its FLOPs per step drift with the segmentation, and the budget is a floor
+        margin = args.margin if run.config == SPIDER_CONFIG else 1.0
+        steps = estimate = max(1, math.ceil(margin * budget / per_step))
+        length, plan = [], f"{steps} steps"
+    val_freq = max(1, math.ceil(estimate / args.val_points))
     dump = out / run.name
     shutil.rmtree(dump, ignore_errors=True)
     t0 = time.time()
-    print(f"[{run.name}] {per_step:.3e} FLOPs/step -> {steps} steps, validation every {val_freq}", flush=True)
-    execute(train_cmd(run, dump, steps, extra, val_freq=val_freq), out / f"{run.name}.log", args.threads)
+    print(f"[{run.name}] {per_step:.3e} FLOPs/step -> {plan}, validation every {val_freq}", flush=True)
+    execute(train_cmd(run, dump, steps, extra + length, val_freq=val_freq), out / f"{run.name}.log", args.threads)
     if args.eval_loops and run.config == SPIDER_CONFIG:
         # Paired eval at two loop counts on the same val windows: the difference's standard error.
         cmd = [sys.executable, "scripts/eval_loops.py", "--model", str(dump / "export"), "--loops", args.eval_loops]
@@ -452,7 +461,7 @@ def run_one(run: Run, args, extra: list[str]) -> dict:
         )
         execute(cmd, out / f"{run.name}.eval_loops.log", args.threads)
     print(f"[{run.name}] done in {time.time() - t0:.0f} s", flush=True)
-    return load_result(run, dump, steps)
+    return load_result(run, dump, steps if args.length == "steps" else None)
 
 
 def load_result(run: Run, dump: Path, steps: int | None = None) -> dict:
@@ -577,10 +586,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-points", type=int, default=4, help="validations per run (whole val split each)")
     p.add_argument("--probe-steps", type=int, default=60, help="steps of the FLOPs probe (the second half is measured)")
     p.add_argument(
+        "--length",
+        choices=("flops", "steps"),
+        default="flops",
+        help="flops: every run trains to the budget itself (--training.flops_budget); steps: --training.steps "
+        "planned from the probe (the tables before 2026-11-27)",
+    )
+    p.add_argument(
+        "--cap",
+        type=float,
+        default=1.5,
+        help="--length flops: a run may take at most this many times the probe's step estimate",
+    )
+    p.add_argument(
         "--margin",
         type=float,
         default=1.10,
-        help="Spider runs plan this many times the probed steps (measured: a 60-step probe "
+        help="--length steps: Spider runs plan this many times the probed steps (measured: a 60-step probe "
         "overestimated the debug run's FLOPs per step by ~7 %%)",
     )
     p.add_argument(

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N -m spider_titan.train --job.config_file train_configs/<job>.toml [--section.key value ...]
 
 The trainer is a straight line: ``Trainer.__init__`` builds everything through the builder, then
-``train`` runs ``train_step`` until the step budget is spent, and ``main`` always calls ``close``.
+``train`` runs ``train_step`` until the run's steps (or its FLOPs budget) are spent, and ``main`` always calls ``close``.
 The loop's helpers live in ``spider_titan/training/``: step health (bad steps are recorded on the
 device and read where the loop syncs anyway), stop signals, the validation pass, and the accounting
 of tokens, FLOPs and rates.
@@ -87,6 +87,8 @@ class Trainer:
         # so the data iterator is made after it, from the restored loader.
         self.checkpointer = build_checkpointer(cfg.checkpoint, self.run, self.state)
         self.checkpointer.load()
+        if self.run.flops_budget is not None:
+            self.run.flops_budget.spent = self.state.flops
         self.data_iter = iter(self.run.train_loader)
         self.stop = StopSignal(self.world_size)
         run, t = self.run, cfg.training
@@ -126,6 +128,7 @@ class Trainer:
             dp_degree=run.parallel_dims.dp_degree,
             world_size=self.world_size,
             total_steps=run.total_steps,
+            budget=run.flops_budget,
             flops_per_byte=run.spec.flops_per_token(run.model_args, t.seq_len),
             val_freq=cfg.validation.freq if run.val_loader is not None else None,
         )
@@ -154,8 +157,13 @@ class Trainer:
             files.append(("export/", "safetensors export at the end (scripts/generate.py --model ...)"))
         width = max(len(name) for name, _ in files) + 2
         lines = [f"run folder {d}/"] + [f"  {name:<{width}}{what}" for name, what in files]
+        length = (
+            f"{run.total_steps} steps"
+            if run.flops_budget is None
+            else f"to {run.flops_budget.budget:.4g} FLOPs (at most {run.total_steps} steps)"
+        )
         lines.append(
-            f"training {run.total_steps} steps: global batch {t.local_batch_size * t.gradient_accumulation_steps * run.parallel_dims.dp_degree}"
+            f"training {length}: global batch {t.local_batch_size * t.gradient_accumulation_steps * run.parallel_dims.dp_degree}"
             f" x {t.seq_len} bytes ({t.local_batch_size} per rank x {t.gradient_accumulation_steps} accumulation x "
             f"{run.parallel_dims.dp_degree} ranks) on {run.device}"
         )
@@ -227,7 +235,6 @@ class Trainer:
                 reported = hook()  # None, or device scalars of this step (protocol.PostStepHook)
                 if reported:
                     step_reports.update(reported)
-        run.lr_scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
 
         metrics = {"ce_sum": ce_total, "label_tokens": global_tokens, "grad_norm": grad_norm}
@@ -236,8 +243,9 @@ class Trainer:
         return metrics
 
     def train(self) -> int:
-        """Train to ``training.steps``; the exit status: 0, or 128 + signal when a signal stopped the run.
-        The loop runs inside the [profiling] window's profiler when one is asked for."""
+        """Train to ``training.steps`` (or ``training.flops_budget``); the exit status: 0, or 128 + signal
+        when a signal stopped the run. The loop runs inside the [profiling] window's profiler when one
+        is asked for."""
         profiling = self.cfg.profiling
         first = self.state.step + 1
         with maybe_profile(
@@ -249,7 +257,7 @@ class Trainer:
         run, cfg = self.run, self.cfg
         start_step = self.state.step
         self.progress.start()
-        if 0 < start_step == run.total_steps:  # resumed at the last step (a stop there): its end-of-run work remains
+        if 0 < start_step and self._trained():  # resumed at the last step (a stop there): its end-of-run work remains
             logger.info(
                 "step %d, the last, is trained: its calibration, validation, final save and export follow", start_step
             )
@@ -261,21 +269,35 @@ class Trainer:
             if val:
                 self._report_validation(start_step, val)
             self.checkpointer.maybe_save(start_step, last=True)
-        while self.state.step < run.total_steps:
+        budget = run.flops_budget
+        while not self._trained():
             step = self.state.step + 1
             metrics = self.train_step(self.next_micro_batches(), step)
             self.state.step = step
             self.progress.add_step(metrics)  # tokens, and FLOPs summed on the device
+            if budget is not None:  # the FLOPs spent decide the learning rate and the last step: read every step
+                self.progress.fold_flops()
+                budget.spent = self.state.flops
+            run.lr_scheduler.step()
             if profiler is not None:
                 profiler.step()
-            last = step == run.total_steps
+            last = self._trained()
+            if last and budget is not None and not budget.reached() and self.rank == 0:
+                logger.warning(
+                    "training.steps = %d reached at %.4g of training.flops_budget = %.4g FLOPs; raise "
+                    "training.steps to spend the budget",
+                    step,
+                    budget.spent,
+                    budget.budget,
+                )
             log_now = step % cfg.metrics.log_freq == 0 or step == start_step + 1 or last
             val_now = self.validator is not None and (step % cfg.validation.freq == 0 or last)
             stopping = self.stop.requested()  # at the last step too: its validation and export may take minutes
             save_now = self.checkpointer.save_due(step, last=last, stopping=stopping)
             if log_now or val_now or save_now:
                 self.health.check(step)  # never log, validate or save past a bad step
-                self.progress.fold_flops()
+                if budget is None:
+                    self.progress.fold_flops()
             if log_now:
                 scalars = reduce_metrics(metrics, self.world_size)
                 scalars.update(self.progress.step_scalars(step, lr=run.lr_scheduler.get_last_lr()[0]))
@@ -293,6 +315,11 @@ class Trainer:
                 return self._stop(step, ", the last (resuming runs its end-of-run work)" if last else "")
             self.checkpointer.maybe_save(step, last=last)
         return self._export_at_end(self.state.step)
+
+    def _trained(self) -> bool:
+        """The run's length is reached: its steps, or its FLOPs budget."""
+        budget = self.run.flops_budget
+        return self.state.step >= self.run.total_steps or (budget is not None and budget.reached())
 
     def _calibrate(self, step: int) -> bool:
         """The end-of-run calibration (before the last validation, save and export, so all three see

@@ -9,7 +9,7 @@
     7) torch.compile per block
     8) materialise on the device + init_weights()
     9) parallelize: expert parallel, then FSDP2 / HSDP
-    10) optimizer, 11) lr scheduler, 12) metric loggers
+    10) optimizer, 11) lr scheduler (over the steps, or over a FLOPs budget), 12) metric loggers
     (then the Trainer adds the checkpointer, which also needs its train state, and loads)
 
 Why 8 before 9 (torchtitan materialises after sharding): a full-size init on every rank with the
@@ -39,7 +39,7 @@ from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.metrics.logger import MetricLogger
-from spider_titan.optim.lr_schedulers import build_lr_scheduler
+from spider_titan.optim.lr_schedulers import FlopsBudget, build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE, CommCounter
 from spider_titan.parallel.compile import apply_compile
@@ -67,8 +67,9 @@ class Run:
     train_loader: ByteDataLoader
     val_loader: ByteDataLoader | None
     metric_logger: MetricLogger
-    total_steps: int
+    total_steps: int  # with a FLOPs budget: the most steps the run may take
     autocast_dtype: torch.dtype | None
+    flops_budget: FlopsBudget | None  # training.flops_budget: the loop ends the run and the decay follows it
     # The one after-step seam: callables run after every optimizer step, in this order. Converters
     # (float8 scale precompute), the parallelize component (the comm counter's step) and load
     # balancers (the MoE bias update) each return theirs from their apply function; a hook may hand
@@ -236,7 +237,8 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     post_step_hooks.extend(registry.get("load_balance", balance)(model, registry.section("load_balance", balance, cfg)))
     steps = total_steps(cfg, dims.dp_degree)
     decay = registry.get("lr_scheduler", cfg.lr_scheduler.decay_type)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps, decay)
+    budget = FlopsBudget(t.flops_budget) if t.flops_budget > 0 else None
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps, decay, budget)
 
     # 12) metric loggers (rank 0 only unless asked otherwise)
     backends = []
@@ -268,6 +270,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
         metric_logger=MetricLogger(backends),
         total_steps=steps,
         autocast_dtype=autocast_dtype,
+        flops_budget=budget,
         post_step_hooks=post_step_hooks,
         dump_folder=dump_folder,
     )

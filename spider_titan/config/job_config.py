@@ -122,9 +122,14 @@ class Training:
     gradient_accumulation_steps: int = ranged(1, low=1)
     """Micro-batches per optimizer step. Global batch = local_batch_size * accumulation * dp degree."""
     steps: int = 1000
-    """Optimizer steps to run (ignored when ``target_tokens`` > 0)."""
+    """Optimizer steps to run (ignored when ``target_tokens`` > 0; the most steps with ``flops_budget``)."""
     target_tokens: int = ranged(0, low=0)
     """When > 0, run until this many tokens (bytes) have been trained on; overrides ``steps``."""
+    flops_budget: float = ranged(0.0, low=0.0)
+    """When > 0, train until the training FLOPs (the model's own count, all ranks) reach this, and
+    decay the learning rate over the steps the budget affords at the FLOPs per step spent so far;
+    ``steps`` is then the most steps the run may take. For comparing models at equal compute when a
+    step's cost varies (Spider's learned segmentation). Costs one host sync per step."""
     max_norm: float = 1.0
     """Gradient-norm clipping threshold (total norm over all parameters; <= 0 disables clipping)."""
     skip_nonfinite_steps: int = ranged(0, low=0)

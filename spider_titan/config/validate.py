@@ -89,6 +89,11 @@ def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
         )
     if t.steps < 1 and t.target_tokens <= 0:
         problems.append(f"training.steps: {t.steps} must be >= 1 (or set training.target_tokens > 0)")
+    if t.flops_budget > 0 and t.target_tokens > 0:
+        problems.append(
+            f"training.flops_budget = {show(t.flops_budget)} and training.target_tokens = {t.target_tokens} both "
+            "set the run's length; keep one"
+        )
     if t.dataset in ("bytes", "text") and not t.dataset_path:
         problems.append(
             f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder"

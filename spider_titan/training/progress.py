@@ -14,6 +14,7 @@ import torch
 from spider_titan.config.job_config import Training
 from spider_titan.distributed import all_reduce_sum
 from spider_titan.metrics.logger import Throughput, memory_gib, peak_flops
+from spider_titan.optim.lr_schedulers import FlopsBudget
 from spider_titan.protocol import FLOPS_PER_BYTE
 
 LN2 = math.log(2.0)
@@ -61,7 +62,8 @@ class Progress:
     :data:`FLOPS_PER_BYTE`), else ``flops_per_byte`` (the spec's formula). They are summed on the device
     every step and brought to the host only by :meth:`fold_flops`, which the loop calls where it syncs
     anyway. Rates cover the interval since the last log or validation (:meth:`new_interval`);
-    ``val_freq`` is None for a run without validation.
+    ``val_freq`` is None for a run without validation. With a FLOPs ``budget`` the run's length (for
+    the ETA and the logged total) is the steps the budget affords at the FLOPs per step so far.
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class Progress:
         total_steps: int,
         flops_per_byte: float,
         val_freq: int | None,
+        budget: FlopsBudget | None = None,
     ):
         self.state = state
+        self.budget = budget
         self.device = device
         self.world_size = world_size
         self.total_steps = total_steps
@@ -115,10 +119,19 @@ class Progress:
         self.state.flops += flops
         self.interval_flops += flops
 
+    def planned_steps(self, step: int) -> int:
+        """The run's length as it stands after ``step``: ``total_steps``, or with a FLOPs budget the
+        steps it affords at the FLOPs per step so far (at most ``total_steps``)."""
+        if self.budget is None or self.budget.spent <= 0:
+            return self.total_steps
+        if self.budget.reached():
+            return step
+        return min(self.total_steps, max(step + 1, math.ceil(self.budget.projected_steps(step))))
+
     def eta(self, step: int) -> float:
         """Seconds left after ``step``: the remaining steps at the smoothed step time, and the remaining
         validations (the last step always validates) at the last one's duration."""
-        remaining = self.total_steps - step
+        remaining = self.planned_steps(step) - step
         vals_left = remaining // self.val_freq + 1 if self.val_freq is not None and remaining else 0
         return remaining * (self.step_time or 0.0) + vals_left * self.val_time
 
@@ -129,7 +142,7 @@ class Progress:
         self.step_time = sps if self.step_time is None else 0.7 * self.step_time + 0.3 * sps
         flops_per_byte = self.interval_flops / max(self.throughput.tokens, 1)
         scalars = dict(
-            total_steps=self.total_steps,
+            total_steps=self.planned_steps(step),
             elapsed_s=self.elapsed(),
             eta_s=self.eta(step),
             lr=lr,
@@ -156,7 +169,7 @@ class Progress:
             tokens_seen=self.state.tokens_seen,
             train_flops=self.state.flops,
             elapsed_s=self.elapsed(),
-            total_steps=self.total_steps,
+            total_steps=self.planned_steps(step),
             eta_s=self.eta(step),
         )
 

@@ -253,6 +253,8 @@ BAD_VALUES = [
     (["--training.gradient_accumulation_steps", "-1"], "training.gradient_accumulation_steps"),
     (["--training.steps", "0"], "training.steps"),
     (["--training.target_tokens", "-5"], "training.target_tokens"),
+    (["--training.flops_budget", "-1e12"], "training.flops_budget"),
+    (["--training.flops_budget", "1e12", "--training.target_tokens", "4096"], "training.flops_budget"),
     (["--training.max_norm", "nan"], "training.max_norm"),
     (["--training.skip_nonfinite_steps", "-1"], "training.skip_nonfinite_steps"),
     (["--training.seed", "-1"], "training.seed"),
