@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=N -m spider_titan.train --job.config_file train_configs/<job>.toml [--section.key value ...]
 
 The trainer is a straight line: ``Trainer.__init__`` builds everything through the builder, then
-``train`` runs ``train_step`` until the run's steps (or its FLOPs budget) are spent, and ``main`` always calls ``close``.
+``train`` runs ``train_step`` until the run's steps (or its FLOPs budget) are spent, and ``main``
+always calls ``close``.
 The loop's helpers live in ``spider_titan/training/``: step health (bad steps are recorded on the
 device and read where the loop syncs anyway), stop signals, the validation pass, and the accounting
 of tokens, FLOPs and rates.

@@ -10,6 +10,25 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The debug Spider on mock data, 2 samples of 64 bytes per step, every step logged, nothing but
+# metrics.jsonl written along the way: the smallest real run, for tests of the loop around the model.
+TINY_SPIDER = [
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.dataset",
+    "mock",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--validation.enable",
+    "false",
+]
+
 
 def run_train(
     args: list[str], *, nprocs: int = 1, timeout: int = 600, env: dict | None = None

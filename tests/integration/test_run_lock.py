@@ -24,29 +24,16 @@ from spider_titan.checkpoint.lock import (
     acquire_run_lock,
 )
 from spider_titan.train import main
-from tests.utils import REPO, read_metrics, run_train
+from tests.utils import REPO, TINY_SPIDER, read_metrics, run_train
 
 ARGS = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.dataset",
-    "mock",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--validation.enable",
-    "false",
+    *TINY_SPIDER,
     "--checkpoint.enable",
     "true",
     "--checkpoint.interval",
     "4",
     "--checkpoint.export_at_end",
     "false",
-    "--metrics.log_freq",
-    "1",
 ]
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from spider_titan.train import main
-from tests.utils import REPO, read_metrics
+from tests.utils import REPO, TINY_SPIDER, read_metrics
 
 VICTIM_ENV = "SPIDER_TITAN_SIGTERM_VICTIM"
 
@@ -27,22 +27,9 @@ def test_victim_trains_for_a_long_time(in_process):
     with torch.random.fork_rng():
         main(
             [
-                "--job.config_file",
-                "train_configs/debug_model.toml",
-                "--training.dataset",
-                "mock",
-                "--training.seq_len",
-                "64",
-                "--training.local_batch_size",
-                "2",
+                *TINY_SPIDER,
                 "--training.steps",
                 "100000",
-                "--metrics.log_freq",
-                "1",
-                "--validation.enable",
-                "false",
-                "--metrics.enable_tensorboard",
-                "false",
                 "--checkpoint.export_at_end",
                 "false",
                 "--job.dump_folder",

@@ -18,7 +18,7 @@ import pytest
 
 from spider_titan.config.job_config import LRScheduler
 from spider_titan.optim.lr_schedulers import FlopsBudget, cosine_decay, lr_multiplier
-from tests.utils import check_ok, read_metrics, run_train, train_losses
+from tests.utils import TINY_SPIDER, check_ok, read_metrics, run_train, train_losses
 
 CFG = LRScheduler(warmup_steps=5, min_lr_factor=0.1)
 
@@ -51,22 +51,9 @@ def test_drifting_cost_ends_the_decay_with_the_budget():
 
 
 SPIDER = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.dataset",
-    "mock",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
+    *TINY_SPIDER,
     "--training.deterministic",
     "true",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--validation.enable",
-    "false",
     "--lr_scheduler.warmup_steps",
     "2",
     "--training.steps",
