@@ -447,7 +447,9 @@ def run_one(run: Run, args, extra: list[str]) -> dict:
         margin = args.margin if run.config == SPIDER_CONFIG else 1.0
         steps = estimate = max(1, math.ceil(margin * budget / per_step))
         length, plan = [], f"{steps} steps"
-    val_freq = max(1, math.ceil(estimate / args.val_points))
+    # The last step always validates; one point means no other (a validation just before the end of a
+    # budget run, at a step the estimate put last, would be wasted and uncalibrated).
+    val_freq = steps if args.val_points == 1 else max(1, math.ceil(estimate / args.val_points))
     dump = out / run.name
     shutil.rmtree(dump, ignore_errors=True)
     t0 = time.time()
