@@ -192,7 +192,8 @@ class Trainer:
     def train_step(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], step: int
     ) -> dict[str, torch.Tensor]:
-        """Optimizer step ``step`` over ``micro_batches``; returns detached metrics (not yet reduced).
+        """Optimizer step ``step`` over ``micro_batches``, its tokens and FLOPs counted and the learning
+        rate stepped; returns detached metrics (not yet reduced).
 
         The LM loss is normalised by the number of non-ignored labels over all micro-batches and
         ranks, so neither accumulation nor world size changes its scale: each rank backpropagates
@@ -241,6 +242,11 @@ class Trainer:
         metrics = {"ce_sum": ce_total, "label_tokens": global_tokens, "grad_norm": grad_norm}
         metrics.update({AUX + k: v for k, v in aux_totals.items()})
         metrics.update({AUX + k: v.detach().float() for k, v in step_reports.items()})
+        self.progress.add_step(metrics)  # tokens, and FLOPs summed on the device
+        if run.flops_budget is not None:  # the FLOPs spent set the learning rate and the last step: read every step
+            self.progress.fold_flops()
+            run.flops_budget.spent = self.state.flops
+        run.lr_scheduler.step()
         return metrics
 
     def train(self) -> int:
@@ -275,11 +281,6 @@ class Trainer:
             step = self.state.step + 1
             metrics = self.train_step(self.next_micro_batches(), step)
             self.state.step = step
-            self.progress.add_step(metrics)  # tokens, and FLOPs summed on the device
-            if budget is not None:  # the FLOPs spent decide the learning rate and the last step: read every step
-                self.progress.fold_flops()
-                budget.spent = self.state.flops
-            run.lr_scheduler.step()
             if profiler is not None:
                 profiler.step()
             last = self._trained()
