@@ -60,6 +60,7 @@ SPIDER = [
     "40",  # the cap: far above what the budget buys
 ]
 BUDGET = 6e9
+SPIDER_LR = LRScheduler(warmup_steps=2, min_lr_factor=0.1)  # the debug config's schedule with the warmup above
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false"]
 
 
@@ -79,11 +80,11 @@ def test_spider_trains_to_its_budget_and_resumes_exactly(tmp_path):
     assert len({round(b - a) for a, b in zip([0.0] + flops, flops)}) > 1  # the cost per step did drift
 
     # Each logged rate is the one the next step uses: the schedule at this step's FLOPs.
-    base = rows[0]["lr"] / lr_multiplier(1, LRScheduler(warmup_steps=2, min_lr_factor=0.1), 40, cosine_decay)
+    base = rows[0]["lr"] / lr_multiplier(1, SPIDER_LR, 40, cosine_decay)
     for r in rows:
         b = FlopsBudget(BUDGET)
         b.spent = r["train_flops"]
-        want = base * lr_multiplier(r["step"], LRScheduler(warmup_steps=2, min_lr_factor=0.1), 40, cosine_decay, b)
+        want = base * lr_multiplier(r["step"], SPIDER_LR, 40, cosine_decay, b)
         assert r["lr"] == pytest.approx(want, rel=1e-9), r["step"]
     assert rows[-1]["lr"] == pytest.approx(0.1 * base, rel=1e-9)  # decayed to the floor with the budget
 
