@@ -66,7 +66,7 @@ from spider_titan.components import registry
 from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.parallel.fsdp import keep_gathered
-from spider_titan.parallel.mesh import ParallelDims, use_fsdp
+from spider_titan.parallel.mesh import ParallelDims, destroy_process_groups, use_fsdp
 from spider_titan.parallel.parallelize import _loop_owners, fsdp_units
 from spider_titan.protocol import DTYPES
 
@@ -143,7 +143,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def planning_config(cfg: JobConfig) -> JobConfig:

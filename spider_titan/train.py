@@ -12,6 +12,7 @@ of tokens, FLOPs and rates.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shlex
@@ -37,6 +38,7 @@ from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
 from spider_titan.metrics.profiling import maybe_profile
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
+from spider_titan.parallel.mesh import destroy_process_groups
 from spider_titan.training.calibration import Calibrator
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
@@ -447,8 +449,7 @@ class Trainer:
         run = getattr(self, "run", None)
         if run is not None:
             run.metric_logger.close()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
         lock = getattr(self, "run_lock", None)
         if lock is not None:
             lock.release()
@@ -489,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             raise Interrupted(signum)
 
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, stop_now)
+        previous_handlers = {sig: signal.signal(sig, stop_now) for sig in STOP_SIGNALS}
     try:
         try:
             trainer = Trainer(cfg, command=command)
@@ -542,8 +542,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        elif dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        else:
+            destroy_process_groups()
+        if from_cli:  # the handlers hold the trainer: restored, it can go
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+        # The model sits in reference cycles (FSDP's hooks), and through its meshes holds the process
+        # groups: collected now, their threads end here rather than in the interpreter's shutdown
+        # (parallel/mesh.py destroy_process_groups).
+        trainer = None
+        gc.collect()
     return 0
 
 
