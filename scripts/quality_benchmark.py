@@ -92,8 +92,11 @@ FIXED = (
 )
 # The shipped dead zone of the ratio loss taken out (the ratio loss pulling to the target from any rate)
 NO_BAND = ("--model.boundary_band", "0")
-# The ratio-loss weight before 0.3 became the default (2026-11-26): rows measured under it pin it
-WEIGHT_1 = ("--model.boundary_coeff", "1.0")
+# The dead zone's pull alike on both edges, as before the firm lower edge became the default (2026-11-26, fifth
+# session: weight 1.0 below the band, 0.3 above it)
+BOTH_EDGES = ("--model.boundary_band_upper", "1.0")
+# The ratio-loss weight 1.0 on both edges, the default before 0.3 (2026-11-26): rows measured under it pin it
+WEIGHT_1 = ("--model.boundary_coeff", "1.0", *BOTH_EDGES)
 # The model before H-Net's path became the default (2026-11-26): stage-aware init, mean chunks, no
 # confidence factor or smoothing, the plain ratio loss at weight 1.0
 PRE_PATH = tuple(o for name in ("confidence", "smoothing", "first") for o in HNET_SHIPPED[name]) + NO_BAND + WEIGHT_1
@@ -217,15 +220,15 @@ RUNS = [
         if name != "stage_init"
     ),
     Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
-    # The dead zone's pull outside the band at weights below 1.0 (0.3 the default since 2026-11-26, named), and a
-    # narrower band
+    # The dead zone's pull outside the band at weights below 1.0 on both edges (0.3: the default from 2026-11-26
+    # until the firm lower edge), and a narrower band
     *(
         Run(
             f"spider_band{band_name}_ratio{name}",
             SPIDER_CONFIG,
-            ("--model.boundary_coeff", weight, *(("--model.boundary_band", band) if band else ())),
-            f"shipped defaults with ratio-loss weight {weight} (the dead zone's pull outside the band)"
-            + (f", band +- {band}" if band else ""),
+            ("--model.boundary_coeff", weight, *BOTH_EDGES, *(("--model.boundary_band", band) if band else ())),
+            f"shipped defaults with ratio-loss weight {weight} on both edges of the band (the dead zone's pull "
+            "outside it)" + (f", band +- {band}" if band else ""),
         )
         for band_name, band, name, weight in (
             ("", "", "01", "0.1"),
@@ -233,13 +236,7 @@ RUNS = [
             ("015", "0.15", "03", "0.3"),
         )
     ),
-    Run(
-        "spider_band_upper03",
-        SPIDER_CONFIG,
-        ("--model.boundary_band_upper", "0.3", *WEIGHT_1),
-        "the dead zone at weight 1.0 with the pull on rows above the band (segments too long) at 0.3 of the pull "
-        "below it",
-    ),
+    # spider_band_upper03 (weight 1.0 below the band, 0.3 above it) is the spider row since 2026-11-26 (fifth session)
     Run(
         "spider_band_inner003",
         SPIDER_CONFIG,

@@ -152,17 +152,20 @@ class SpiderArgs:
     0: the plain ratio loss, pulling to the target from any rate. 0.2 by default since 2026-11-26 (with
     H-Net's path, below): H-Net's ratio weight 0.03 let the LM gradient shrink segments to 2.5 bytes on
     prose at debug, weight 1.0 everywhere held 4 bytes but lost at ``small`` on the built-in corpus; the
-    band keeps the freedom inside and stops the drift at its edge (with ``boundary_coeff`` 0.3, 3.0-3.1
-    bytes on prose, where the LM gradient pushes; docs/experiments.md, "A dead zone")."""
+    band keeps the freedom inside and stops the drift at its edge (docs/experiments.md, "A dead zone"; the
+    pull at each edge: ``boundary_coeff``, ``boundary_band_upper``)."""
     boundary_band_inner: float = 0.0
     """With a dead zone (``boundary_band`` > 0): the weight, relative to ``boundary_coeff``, of the plain
     ratio loss added to it, a weak pull towards the target at every rate (inside the band too), the band's
     edge then a wall. 0: none (0.03 with weight 1.0 measured worse on code at ``small``: 1.942 against
     1.880, one seed; docs/experiments.md, "Shapes of the dead zone's pull")."""
-    boundary_band_upper: float = 1.0
+    boundary_band_upper: float = 0.3
     """With a dead zone: the weight of the pull on a row above the band (segments longer than its upper
-    edge) relative to a row below it. 1: both edges alike (0.3 with weight 1.0 measured worse on prose,
-    one seed: docs/experiments.md, "Shapes of the dead zone's pull")."""
+    edge) relative to a row below it; 1: both edges alike. 0.3 since 2026-11-26 (fifth session; 1 before),
+    with ``boundary_coeff`` 1.0: a firm lower edge, where the LM gradient pushes on prose (0.3 on both edges
+    let a debug prose run settle at 2.95 bytes per segment, under the band), and above the band the weak
+    pull that won on code. Measured at exactly equal FLOPs, 3 seeds at debug and `small`, both corpora:
+    every run inside the band (docs/experiments.md, "A firm lower edge")."""
     boundary_noise: Literal["none", "gumbel"] = "none"
     """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
     training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
@@ -234,11 +237,11 @@ class SpiderArgs:
     # ---- loss weights
     moe_aux_coeff: float = 0.01
     """Weight of the MoE load-balancing loss (mean over core blocks and loops of E * sum f_i P_i)."""
-    boundary_coeff: float = 0.3
-    """Weight of the boundary loss (``boundary_loss``). 0.3 since 2026-11-26 (1.0 before): with the dead
-    zone (``boundary_band``) it is the pull on rows outside the band; at 1.0 that pull cost 0.057 bpb on
-    the built-in corpus at ``small``, and 0.3 won the mean over the study's four cells by 0.018 bpb
-    (docs/experiments.md, "Shapes of the dead zone's pull")."""
+    boundary_coeff: float = 1.0
+    """Weight of the boundary loss (``boundary_loss``). With the dead zone (``boundary_band``) it is the pull
+    on rows below the band, and ``boundary_band_upper`` times it the pull on rows above. History: 1.0 on
+    both edges until 2026-11-26 (it cost 0.057 bpb on the built-in corpus at ``small``: docs/experiments.md,
+    "Shapes of the dead zone's pull"), then 0.3 on both edges, then (fifth session) 1.0 below and 0.3 above."""
     ponder_coeff: float = 0.01
     """Weight of the ACT ponder loss (Graves' N + R, mean over real segments)."""
 
