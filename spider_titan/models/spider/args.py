@@ -164,8 +164,9 @@ class SpiderArgs:
     edge) relative to a row below it; 1: both edges alike. 0.3 since 2026-11-26 (fifth session; 1 before),
     with ``boundary_coeff`` 1.0: a firm lower edge, where the LM gradient pushes on prose (0.3 on both edges
     let a debug prose run settle at 2.95 bytes per segment, under the band), and above the band the weak
-    pull that won on code. Measured at exactly equal FLOPs, 3 seeds at debug and `small`, both corpora:
-    every run inside the band (docs/experiments.md, "A firm lower edge")."""
+    pull that won on code. Measured at exactly equal FLOPs at debug and ``small`` on both corpora, 3 seeds
+    per cell (2 on prose at ``small``): level with 0.3 on both edges (1.961 against 1.968 bpb over the
+    cells) and every run inside the band (docs/experiments.md, "A firm lower edge")."""
     boundary_noise: Literal["none", "gumbel"] = "none"
     """``none``: the hard rule p >= 0.5 in training and eval alike (one function); ``gumbel``:
     training hardens a Gumbel-sigmoid sample instead (the pre-2026-11-23 behaviour, which segments
