@@ -31,23 +31,24 @@ TINY_SPIDER = [
 
 
 def run_train(
-    args: list[str], *, nprocs: int = 1, timeout: int = 600, env: dict | None = None
+    args: list[str],
+    *,
+    nprocs: int = 1,
+    timeout: int = 600,
+    env: dict | None = None,
+    script: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """``python -m spider_titan.train ARGS`` (under torchrun when nprocs > 1); output captured."""
+    """``python -m spider_titan.train ARGS`` (under torchrun when nprocs > 1); output captured.
+    ``script``: a launcher run in its place (one that patches something, then calls ``train.main``)."""
+    program = [str(script)] if script is not None else ["-m", "spider_titan.train"]
     if nprocs > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nprocs}",
-            "-m",
-            "spider_titan.train",
-            *args,
-        ]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
     else:
-        cmd = [sys.executable, "-m", "spider_titan.train", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        cmd = [sys.executable]
+    cmd += [*program, *args]
+    # A script's own folder, not the repository, heads its sys.path: it imports the project from REPO.
+    path = {"PYTHONPATH": str(REPO)} if script is not None else {}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **path, **(env or {})}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 

@@ -10,14 +10,11 @@ these runs train it too (learned boundaries, ratio loss), so they check that as 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.utils import REPO, check_ok, read_metrics, run_train, train_losses
+from tests.utils import check_ok, read_metrics, run_train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -107,26 +104,8 @@ def test_one_rank_and_four_ranks_train_the_same_model(tmp_path):
 
     launcher = tmp_path / "per_rank_statistics.py"
     launcher.write_text(PER_RANK_LAUNCHER)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        str(launcher),
-        *COMMON,
-        *FOUR_RANKS,
-        "--job.dump_folder",
-        str(tmp_path / "per_rank"),
-    ]
-    per_rank = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    per_rank = run_train(
+        COMMON + FOUR_RANKS + ["--job.dump_folder", str(tmp_path / "per_rank")], nprocs=4, script=launcher
     )
     check_ok(per_rank)
     gaps = _relative_gaps(ref, train_losses(tmp_path / "per_rank"))

@@ -10,13 +10,11 @@ torchrun and each rank lists its threads once ``main`` has returned.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.utils import REPO, TINY_SPIDER, check_ok
+from tests.utils import TINY_SPIDER, check_ok, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +35,8 @@ def test_no_process_group_threads_outlive_main(tmp_path):
     returns, each rank has no gloo thread left, only its main thread (and OpenMP's, if any)."""
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher)]
     args = [*TINY_SPIDER, "--training.steps", "3", "--checkpoint.export_at_end", "true"]
-    run = subprocess.run(
-        [*cmd, *args, "--job.dump_folder", str(tmp_path / "run")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    run = run_train([*args, "--job.dump_folder", str(tmp_path / "run")], nprocs=2, timeout=300, script=launcher)
     check_ok(run)
     lines = [line for line in run.stdout.splitlines() if "threads after main" in line]
     assert len(lines) == 2, run.stdout
