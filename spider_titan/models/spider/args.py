@@ -202,7 +202,9 @@ class SpiderArgs:
     before its own. ``first`` (H-Net): the predictor decides "a chunk starts at t", a chunk is its
     first byte's prelude state and every byte reads its own chunk's output (the Engram of chunk k
     then hashes chunk k - 1's bytes, the last complete ones). Both are causal (tests). ``first`` by default
-    since 2026-11-26 (H-Net's path, ``boundary_confidence``); fixed segments do better with ``mean``."""
+    since 2026-11-26 (H-Net's path, ``boundary_confidence``); fixed segments do better with ``mean``, learned
+    ones worse (0.026 bpb over debug and ``small`` on both corpora at equal FLOPs, 10 of 11 seed pairs;
+    docs/experiments.md, "Code at `small`: five seeds")."""
     dechunk_smoothing: bool = True
     """H-Net's dechunk smoothing: before the upsample, the core outputs become an EMA over segments,
     ``out_k = P_k y_k + (1 - P_k) out_{k-1}``, P_k the probability of the boundary that opened
