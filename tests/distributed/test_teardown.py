@@ -24,8 +24,8 @@ LAUNCHER = """\
 import os, pathlib, sys
 from spider_titan.train import main
 code = main()
-names = sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-pathlib.Path({out!r}, f"threads_rank{{os.environ['RANK']}}.txt").write_text(",".join(names))
+names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+pathlib.Path(os.environ["THREADS_DIR"], f"threads_rank{os.environ['RANK']}.txt").write_text(",".join(names))
 sys.exit(code)
 """
 
@@ -35,9 +35,15 @@ def test_no_process_group_threads_outlive_main(tmp_path):
     """2 ranks, FSDP 2 (DTensor parameters), a few steps with the end-of-run export: after ``main``
     returns, each rank has no gloo thread left, only its main thread (and OpenMP's, if any)."""
     launcher = tmp_path / "launch.py"
-    launcher.write_text(LAUNCHER.format(out=str(tmp_path)))
+    launcher.write_text(LAUNCHER)
     args = [*TINY_SPIDER, "--training.steps", "3", "--checkpoint.export_at_end", "true"]
-    run = run_train([*args, "--job.dump_folder", str(tmp_path / "run")], nprocs=2, timeout=300, script=launcher)
+    run = run_train(
+        [*args, "--job.dump_folder", str(tmp_path / "run")],
+        nprocs=2,
+        timeout=300,
+        script=launcher,
+        env={"THREADS_DIR": str(tmp_path)},
+    )
     check_ok(run)
     for rank in range(2):
         threads = (tmp_path / f"threads_rank{rank}.txt").read_text().split(",")

@@ -70,7 +70,7 @@ def test_sigterm_stops_the_suite(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     # One metrics row per step: the step under way when the signal came (and one logged between the
     # count and the signal) may finish, no more. The wall time to exit is not asserted: pytest took
-    # about 3 s to exit on idle cores and 22 s on loaded ones (CI, 2026-11-26).
+    # 2.6-3.4 s to exit beside two training runs and 22 s beside the suite and two runs (2026-11-26).
     trained_on = len(read_metrics(dump)) - rows_at_signal
     assert trained_on <= 2, f"the victim trained {trained_on} more steps after SIGTERM"
     assert "SIGTERM received" in out and "stopping after this step" not in out, out[-3000:]
