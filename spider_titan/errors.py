@@ -3,8 +3,9 @@
 The trainer's ``main`` and the scripts print :func:`describe_os_error` / :func:`describe_out_of_memory`
 instead of a traceback. A failed write often does not reach us as an ``OSError``: torch's zip writer
 turns a short write into ``RuntimeError: unexpected pos 704 vs 598``, and DCP wraps every rank's
-error in a ``CheckpointException``. :func:`find_os_error` looks through both, and through the free
-space left on the disk, to name the cause.
+error in a ``CheckpointException``; safetensors (Rust) raises a ``SafetensorError`` whose text holds
+the OS error code ("I/O error: No space left on device (os error 28)"). :func:`find_os_error` looks
+through all three, and through the free space left on the disk, to name the cause.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _OS_ERRORS = {
 }
 # A disk with less than this left after a failed write is taken to be full (the write used up the rest).
 FULL_DISK_BYTES = 1 << 20
+# Rust's std::io::Error in an exception's text: its Display ("... (os error 28)", safetensors 0.8)
+# and its Debug form ("IoError(Os { code: 28, kind: StorageFull, ... })", older safetensors).
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)|\bOs \{ code: (\d+)")
 
 
 def _chain(e: BaseException):
@@ -60,11 +64,18 @@ def free_bytes(path: Path) -> int | None:
 
 
 def find_os_error(e: BaseException, path: Path | None = None) -> OSError | None:
-    """The OSError (with an errno) behind ``e``; failing that, ENOSPC when the disk at ``path`` is full
-    (torch reports a short write as "unexpected pos"); None when neither."""
-    for inner in _chain(e):
+    """The OSError (with an errno) behind ``e``; failing that, one with the OS error code that a Rust
+    library (safetensors) wrote into its message; failing that, ENOSPC when the disk at ``path`` is
+    full (torch reports a short write as "unexpected pos"); None when none of these."""
+    chain = list(_chain(e))
+    for inner in chain:
         if isinstance(inner, OSError) and inner.errno is not None:
             return inner
+    for inner in chain:
+        found = _RUST_OS_ERROR.search(str(inner))
+        if found:
+            code = int(found.group(1) or found.group(2))
+            return OSError(code, os.strerror(code), None if path is None else str(path))
     if path is not None:
         free = free_bytes(path)
         if free is not None and free < FULL_DISK_BYTES:
@@ -108,6 +119,11 @@ def describe_out_of_memory(e: BaseException, where: str) -> str:
         "training.gradient_accumulation_steps to keep the batch), set activation_checkpoint.mode = full, "
         "shorten training.seq_len, or shard over more ranks (parallelism.data_parallel_shard_degree)"
     )
+
+
+class StateMismatch(ValueError):
+    """Saved state that is intact but was written under other settings than this run's (a data
+    loader saved at another seq_len, say): the checkpoint is fine, the run's settings differ."""
 
 
 class WriteFailed(Exception):

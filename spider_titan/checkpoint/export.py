@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -62,7 +63,9 @@ from spider_titan.checkpoint.layout import (
     read_meta,
     resolve_checkpoint,
 )
+from spider_titan.errors import find_os_error
 from spider_titan.hf.bundle import TOKENIZER_CONFIG, hf_config_keys, write_hf_files
+from spider_titan.metrics.logger import shell_command
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1
@@ -187,8 +190,13 @@ def write_export(
             _write_files(tensors, identity, tmp, dtype=dtype, step=step, max_shard_bytes=max_shard_bytes, out=out)
             _make_readable(tmp, folder=True)  # mkdtemp makes it 0700
             _swap_in(tmp, out)
-        except BaseException:
+        except BaseException as e:
+            # Name the cause while tmp still holds what was written: once it is deleted a full disk
+            # has room again, and the free-space test of find_os_error would find nothing.
+            cause = find_os_error(e, tmp) if isinstance(e, Exception) else None
             shutil.rmtree(tmp, ignore_errors=True)
+            if cause is not None and cause is not e:
+                raise OSError(cause.errno, cause.strerror, str(out)) from e
             raise
         _remove_abandoned(out)  # out is complete now, also where it did not exist before
     return out
@@ -405,6 +413,16 @@ def export_checkpoint(
         max_shard_bytes=max_shard_bytes,
         origin=origin,
         keep_out_of=keep_out_of,
+    )
+
+
+def export_command(checkpoint: Path, out: Path, dtype: str = "float32") -> str:
+    """The command line that writes the export of ``checkpoint`` to ``out``: this interpreter (the
+    venv's) and this checkout's ``scripts/export_safetensors.py``, paths as the shell here sees them."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "export_safetensors.py"
+    dtype_flag = [] if dtype == "float32" else ["--dtype", dtype]
+    return shell_command(
+        Path(sys.executable), script, "--checkpoint", Path(checkpoint), "--out", Path(out), *dtype_flag
     )
 
 

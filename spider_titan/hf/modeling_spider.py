@@ -4,12 +4,17 @@ The Spider module itself is ``self.model`` (``base_model_prefix``), so the expor
 (Spider's own FQNs) load as they are. ``forward`` returns the logits of every position (fp32 in
 the model's dtype) and, with labels, the mean next-byte loss. ``generate`` decodes with Spider's own
 cache (models/spider/decode.py) through ``past_key_values``: one byte's work per new byte.
+``from_pretrained`` refuses an export whose tensors are not the model's (transformers alone would
+initialise the missing ones at random, with only a warning), as scripts/generate.py does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
+import safetensors
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -21,6 +26,9 @@ from spider_titan.models.spider.model import Spider
 from spider_titan.protocol import lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
+WEIGHTS_FILE = "model.safetensors"  # the names checkpoint/export.py writes
+INDEX_FILE = "model.safetensors.index.json"
+
 
 def spider_args(config: SpiderConfig) -> SpiderArgs:
     """The SpiderArgs of the config's ``model`` block (unknown keys are an error, as in spider_titan)."""
@@ -30,6 +38,33 @@ def spider_args(config: SpiderConfig) -> SpiderArgs:
     if unknown:
         raise ValueError(f"config.json: model.args has keys this code does not know: {unknown}")
     return SpiderArgs(**args)
+
+
+def export_tensor_names(folder: Path) -> set[str] | None:
+    """The tensor names an export folder holds (from the safetensors headers or the shards' index, no
+    weights read); None when it holds neither file (transformers then says what it looked for)."""
+    if (folder / INDEX_FILE).is_file():
+        return set(json.loads((folder / INDEX_FILE).read_text())["weight_map"])
+    if (folder / WEIGHTS_FILE).is_file():
+        with safetensors.safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+            return set(f.keys())
+    return None
+
+
+def check_tensor_names(where: object, expected: set[str], found: set[str]) -> None:
+    """ValueError naming ``where``, the missing and the extra tensors, unless ``found`` is ``expected``."""
+    missing, extra = sorted(expected - found), sorted(found - expected)
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    problems = [f"{len(missing)} of the model's {len(expected)} tensors missing ({few(missing)})"] if missing else []
+    problems += [f"{len(extra)} tensor(s) not in the model ({few(extra)})"] if extra else []
+    if problems:
+        raise ValueError(
+            f"{where}: {' and '.join(problems)}; the export is incomplete or from another model: "
+            "re-export it with scripts/export_safetensors.py"
+        )
 
 
 class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
@@ -45,6 +80,34 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: torch.nn.Module) -> None:
         if module is self.model:  # Spider initialises itself (models/spider/model.py init_weights)
             module.init_weights()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' loader, refusing an export that lacks a tensor of the model or holds one it
+        has not (transformers would initialise the missing at random and only warn). A local folder
+        is checked before any weight is read; anything else (a hub id) by transformers' own load
+        report, after it."""
+        config = kwargs.get("config")
+        folder = None if pretrained_model_name_or_path is None else Path(pretrained_model_name_or_path)
+        if folder is not None and kwargs.get("subfolder"):
+            folder = folder / kwargs["subfolder"]
+        names = export_tensor_names(folder) if folder is not None and folder.is_dir() else None
+        if names is not None:
+            if not isinstance(config, SpiderConfig):
+                config = cls.config_class.from_pretrained(folder)
+            with torch.device("meta"):
+                expected = set(Spider(spider_args(config)).state_dict())
+            check_tensor_names(folder, expected, names)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        prefix = f"{cls.base_model_prefix}."
+        missing = {k.removeprefix(prefix) for k in info["missing_keys"]}
+        unexpected = {k.removeprefix(prefix) for k in info["unexpected_keys"]}
+        expected = set(model.model.state_dict())
+        check_tensor_names(pretrained_model_name_or_path, expected, (expected - missing) | unexpected)
+        return (model, info) if want_info else model
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

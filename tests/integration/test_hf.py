@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from spider_titan.checkpoint.export import write_export
@@ -115,6 +117,49 @@ def test_loading_an_export_leaves_the_packages_custom_ops_registered(export, mon
     torch.testing.assert_close(layer._grouped_mm_opaque(a, b, offs), want)
     for copy in copies:
         torch.testing.assert_close(copy._grouped_mm_opaque(a, b, offs), want)
+
+
+def _drop_first(tensors: dict) -> str:
+    name = sorted(tensors)[0]
+    del tensors[name]
+    return name
+
+
+def _add_extra(tensors: dict) -> str:
+    tensors["extra.weight"] = torch.zeros(2)
+    return "extra.weight"
+
+
+@pytest.mark.parametrize(
+    "edit, what", [(_drop_first, "tensors missing"), (_add_extra, "not in the model")], ids=["missing", "extra"]
+)
+@pytest.mark.parametrize("where", ["local-folder", "load-report"])
+def test_an_export_with_a_missing_or_extra_tensor_is_refused(export, tmp_path, monkeypatch, edit, what, where):
+    """transformers alone loads such an export with random weights in place of the missing tensor
+    (its load report only warns); the bundled code refuses it in one line, as scripts/generate.py
+    does. A local folder is checked from the file headers before loading; anything else (a hub id)
+    from transformers' load report after it, here forced by hiding the folder's tensor names."""
+    from spider_titan.hf import modeling_spider
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "export"
+    shutil.copytree(export, folder)
+    tensors = safetensors.torch.load_file(folder / "model.safetensors")
+    name = edit(tensors)
+    safetensors.torch.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if where == "local-folder":
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        kwargs = {"trust_remote_code": True}
+    else:  # the package's class (the bundled copy is the same source), with the header check off
+        monkeypatch.setattr(modeling_spider, "export_tensor_names", lambda folder: None)
+        load, kwargs = modeling_spider.SpiderForCausalLM.from_pretrained, {}
+    with pytest.raises(ValueError) as err:
+        load(folder, dtype=torch.float32, **kwargs)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"{folder}: 1 ") and f"{what} ({name})" in line, line
+    assert line.endswith(
+        "the export is incomplete or from another model: re-export it with scripts/export_safetensors.py"
+    )
 
 
 TASK = """\

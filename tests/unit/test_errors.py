@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import subprocess
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -47,6 +51,54 @@ def test_the_os_error_is_found_inside_dcp_s_wrapper(tmp_path, monkeypatch):
     assert find_os_error(short, tmp_path) is None  # this disk has room: not a full disk, a bug
     monkeypatch.setattr(errors, "free_bytes", lambda path: 100)
     assert find_os_error(short, tmp_path).errno == errno.ENOSPC
+
+
+# safetensors (Rust) on a full disk: a SafetensorError, not an OSError. The first is the text 0.8.0
+# raised on a full tmpfs (test_a_real_safetensors_write_to_a_full_disk), the second the Debug form of
+# the same Rust io::Error that older versions wrote.
+SAFETENSORS_ENOSPC = [
+    "Error while serializing: I/O error: No space left on device (os error 28)",
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+]
+
+
+@pytest.mark.parametrize("text", SAFETENSORS_ENOSPC, ids=["display", "debug"])
+def test_the_os_error_is_read_from_safetensors_text(text, tmp_path):
+    e = safetensors.SafetensorError(text)
+    assert not isinstance(e, OSError)
+    wrapped = RuntimeError("export failed")
+    wrapped.__cause__ = e
+    for raised in (e, wrapped):  # itself, or as the cause of another error
+        cause = find_os_error(raised, tmp_path)
+        assert cause.errno == errno.ENOSPC and cause.filename == str(tmp_path)
+        assert describe_os_error(cause).startswith(f"{tmp_path}: no space left on device (ENOSPC); ")
+    assert find_os_error(RuntimeError("expected 28 elements, got 27 (error 28)"), tmp_path) is None
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs: a real disk to fill (root with CAP_SYS_ADMIN only; skipped elsewhere)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_real_safetensors_write_to_a_full_disk(small_tmpfs):
+    """4 MiB into 2 MiB: safetensors deletes its partial file, so the disk has room again afterwards and
+    only the error's text tells ENOSPC (the free-space test alone would miss it)."""
+    with pytest.raises(safetensors.SafetensorError) as err:
+        safetensors.torch.save_file({"w": torch.ones(1 << 20)}, small_tmpfs / "w.safetensors")
+    assert list(small_tmpfs.iterdir()) == [] and errors.free_bytes(small_tmpfs) >= errors.FULL_DISK_BYTES
+    cause = find_os_error(err.value, small_tmpfs)
+    assert cause is not None and cause.errno == errno.ENOSPC, err.value
 
 
 def test_out_of_memory_of_either_allocator():

@@ -4,6 +4,8 @@ float8 weights unwrapped; model identity checks; next-byte sampling."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import importlib.util
 import json
 import logging
 import os
@@ -398,6 +400,73 @@ def test_a_crash_mid_write_leaves_the_previous_export(tmp_path, monkeypatch):
         write_export({"a": torch.zeros(3)}, identity, out, dtype=torch.float32, step=2)
     assert snapshot(tmp_path) == before  # the old export, and no temporary folder beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+# What safetensors 0.8.0 raises when its file does not fit (a SafetensorError, not an OSError; the
+# real failure on a full tmpfs is in tests/unit/test_errors.py).
+SAFETENSORS_ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def safetensors_disk_full(tensors, filename, metadata=None):
+    raise safetensors.SafetensorError(SAFETENSORS_ENOSPC)
+
+
+def short_write(tensors, filename, metadata=None):
+    """A write that fills the disk and fails with no errno: the partial file holds the space."""
+    Path(filename).write_bytes(b"\0" * 100)
+    raise RuntimeError("short write")
+
+
+@pytest.mark.parametrize("failure", ["safetensors-error", "short-write"])
+def test_a_full_disk_during_an_export_is_an_os_error_naming_the_export(failure, tmp_path, monkeypatch):
+    """Either way write_export raises OSError(ENOSPC) for ``out`` (the caller's one line), with the
+    library's error as its cause, and the previous export stays. A short write is read from the free
+    space before the temporary folder is deleted: after that the disk has room again."""
+    from spider_titan import errors
+    from spider_titan.checkpoint import export
+
+    identity = dense_identity()
+    out = tmp_path / "e"
+    write_export({"a": torch.ones(3)}, identity, out, dtype=torch.float32, step=1)
+    before = snapshot(tmp_path)
+    if failure == "short-write":
+        monkeypatch.setattr(export.safetensors.torch, "save_file", short_write)
+
+        def free_bytes(path):  # full while the partial file is on the disk
+            return 100 if any(tmp_path.glob(".e.tmp-*/model.safetensors")) else 10**12
+
+        monkeypatch.setattr(errors, "free_bytes", free_bytes)
+    else:
+        monkeypatch.setattr(export.safetensors.torch, "save_file", safetensors_disk_full)
+    with pytest.raises(OSError) as err:
+        write_export({"a": torch.zeros(3)}, identity, out, dtype=torch.float32, step=2)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(out), err.value
+    assert isinstance(err.value.__cause__, (safetensors.SafetensorError, RuntimeError))
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+def test_script_on_a_full_disk_says_so_in_one_line(trained, tmp_path, monkeypatch):
+    """scripts/export_safetensors.py when safetensors finds the disk full: exit 1 with one line naming
+    ENOSPC, --out and the fix (it was a 30-line traceback); the previous export is byte-identical."""
+    from spider_titan.checkpoint import export
+
+    _, dump = trained
+    out = tmp_path / "ex"
+    write_export({"a": torch.ones(3)}, dense_identity(), out, dtype=torch.float32, step=1)
+    before = snapshot(tmp_path)
+    spec = importlib.util.spec_from_file_location(
+        "export_safetensors_script", REPO / "scripts" / "export_safetensors.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(export.safetensors.torch, "save_file", safetensors_disk_full)
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--checkpoint", str(dump / "checkpoint"), "--out", str(out)])
+    line = stop.value.code  # sys.exit(text): Python prints the text and exits with status 1
+    assert isinstance(line, str) and "\n" not in line, line
+    assert line.startswith(f"export_safetensors: error: {out}: no space left on device (ENOSPC); "), line
+    assert line.endswith("free space on that disk or set --out to a folder on another"), line
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ex"]
 
 
 @pytest.mark.skipif(shutil.which("make") is None or sys.prefix == sys.base_prefix, reason="needs make and a venv")
