@@ -4,11 +4,13 @@
     python scripts/plot.py outputs/big_run --x tokens
 
 Each RUN_DIR is a ``job.dump_folder``; its ``metrics.jsonl`` (one JSON object per logged step or
-validation: ``step`` plus scalars) is read. One panel is drawn per group of keys in :data:`PANELS`
-that at least one run logged (loss, bits per byte, throughput, learning rate, grad norm, and the
-model's bytes/segment, loops, FLOPs/byte, expert load, auxiliary losses), each with the validation
-twins ``val_<key>`` dashed. With one run each series has its colour; with several, each run has
-its colour and is labelled by its folder's name. Keys no panel claims are listed on the console. ``--x`` picks the x axis: ``step``, ``tokens``
+validation: ``step`` plus scalars) is read; a row cut short by a run stopped mid-write is skipped
+with a warning, and any other line that is not such a row stops the script with one line naming it.
+One panel is drawn per group of keys in :data:`PANELS` that at least one run logged (loss, bits per
+byte, throughput, learning rate, grad norm, and the model's bytes/segment, loops, FLOPs/byte, expert
+load, auxiliary losses), each with the validation twins ``val_<key>`` dashed. With one run each
+series has its colour; with several, each run has its colour and is labelled by its folder's name.
+Keys no panel claims are listed on the console. ``--x`` picks the x axis: ``step``, ``tokens``
 (``tokens_seen``), ``flops`` (``train_flops``, cumulative) or ``time`` (``elapsed_s``); rows that lack
 the key (validation rows) take it from the training rows by interpolating over steps. Needs
 matplotlib (``pip install -e '.[plot]'``).
@@ -52,31 +54,116 @@ class PlotError(Exception):
     """A user mistake, reported as one line and exit status 2."""
 
 
+# How the trainer's JsonlLogger begins every row: a line that begins so but does not parse is a row cut short.
+ROW_START = '{"step": '
+_RUN_HINT = f"pass a run's dump folder (the trainer writes <job.dump_folder>/{METRICS_NAME})"
+
+
 def metrics_file(run: str | Path) -> Path:
     """The metrics file of ``run``: ``run/metrics.jsonl`` (``metrics_rank0.jsonl`` when ranks logged apart),
     or ``run`` itself when it names a ``.jsonl`` file."""
     run = Path(run)
     if run.is_file() and run.suffix == ".jsonl":
         return run
+    if not run.exists():
+        raise PlotError(f"run folder {run} does not exist; {_RUN_HINT}")
+    if not run.is_dir():
+        raise PlotError(f"{run} is a file, not a run folder or a .jsonl metrics file; {_RUN_HINT}")
     for name in (METRICS_NAME, "metrics_rank0.jsonl"):
         if (run / name).is_file():
             return run / name
-    raise PlotError(
-        f"no {METRICS_NAME} in {run}; pass a run's dump folder (the trainer writes <job.dump_folder>/{METRICS_NAME})"
+    raise PlotError(f"no {METRICS_NAME} in {run} (a run with metrics.enable_jsonl = false writes none); {_RUN_HINT}")
+
+
+def row_problem(value: object) -> str:
+    """What keeps a parsed line from being a metrics row (a JSON object with a numeric ``step``); "" if nothing."""
+    if not isinstance(value, dict):
+        return f"a JSON {type(value).__name__}, not an object"
+    step = value.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return 'no numeric "step"'
+    return ""
+
+
+def _cut_short(line: str) -> bool:
+    """Whether ``line``, which does not parse, is a row cut short: it begins like a row and holds no whole
+    JSON value at its start (a whole object followed by more text was not cut: something wrote after it)."""
+    if not line.startswith(ROW_START):
+        return False
+    try:
+        json.JSONDecoder().raw_decode(line)
+    except json.JSONDecodeError:
+        return True
+    return False
+
+
+def _resumed_row(line: str) -> dict | None:
+    """The row a resumed run appended to a cut one on the same line (``{"step": 3, "lo{"step": 4, ...}``)."""
+    i = line.find(ROW_START, 1)
+    while i > 0:
+        try:
+            value = json.loads(line[i:])
+        except json.JSONDecodeError:
+            value = None
+        if value is not None and not row_problem(value):
+            return value
+        i = line.find(ROW_START, i + 1)
+    return None
+
+
+def _bad_line(path: Path, lineno: int, problem: str) -> PlotError:
+    return PlotError(
+        f'{path} line {lineno}: {problem}; every line must be one JSON object with a numeric "step", '
+        "as the trainer writes them: fix or delete that line"
     )
 
 
-def read_metrics(run: str | Path) -> list[dict]:
-    """The rows of a run's metrics file, in order (blank and truncated last lines skipped)."""
+def read_metrics(run: str | Path, warnings: list[str] | None = None) -> list[dict]:
+    """The rows of a run's metrics file, in order.
+
+    Blank lines are skipped. A row cut short (a line that begins like the trainer's rows but does not
+    parse: the run stopped while writing it, or is still writing) is skipped, wherever it is, since a
+    resumed run appends after it, and one warning line names them all (printed on stderr, or appended
+    to ``warnings`` to be printed later); a row such a run appended to the cut line itself is kept. Any other line that is not a metrics row, an unreadable
+    file and a file without rows raise a PlotError naming the file (and the line).
+    """
     path = metrics_file(run)
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PlotError(f"cannot read {path} ({e.strerror}); check its permissions") from e
+    rows, cut = [], []
+    for lineno, raw in enumerate(data.splitlines(), 1):
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a run still writing, or killed mid-line
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise _bad_line(path, lineno, "not UTF-8 text") from None
+        if not line:
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            if not _cut_short(line):
+                raise _bad_line(path, lineno, f"not JSON ({e.msg} at column {e.colno})") from None
+            cut.append(lineno)
+            resumed = _resumed_row(line)
+            if resumed:
+                rows.append(resumed)
+            continue
+        problem = row_problem(value)
+        if problem:
+            raise _bad_line(path, lineno, problem)
+        rows.append(value)
+    if not rows:
+        only = f" (line {cut[0]} is a row cut short)" if cut else ""
+        raise PlotError(f"{path} holds no logged step yet{only}; plot it once the run has logged one")
+    if cut:
+        where = f"the row cut short on line {cut[0]}" if len(cut) == 1 else f"the rows cut short on lines {cut}"
+        warning = f"plot: warning: {path}: skipped {where} (the run stopped while writing it)"
+        if warnings is None:
+            print(warning, file=sys.stderr)
+        else:
+            warnings.append(warning)
     return rows
 
 
@@ -123,10 +210,20 @@ def run_labels(runs: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else str(r) for n, r in zip(names, runs)]
 
 
+def picture_path(out: str | Path) -> Path:
+    """The file ``--out`` names: ``.png`` appended when it has no suffix (as matplotlib does); a folder is refused."""
+    out = Path(out)
+    if out.is_dir():
+        raise PlotError(f"--out {out} is a folder; name the picture file in it, e.g. --out {out / 'metrics.png'}")
+    return out if out.suffix else out.with_name(out.name + ".png")
+
+
 def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
-    """Draw ``runs`` into the PNG ``out``; returns the panel titles drawn."""
+    """Draw ``runs`` into the picture ``out`` (PNG, or another format by its suffix); returns the panel titles."""
     x_key, x_label = X_AXES[x]
-    data = [read_metrics(r) for r in runs]
+    out = Path(out)
+    warnings: list[str] = []  # printed once the picture is written: a failed run prints its error alone
+    data = [read_metrics(r, warnings) for r in runs]
     xs = [x_values(rows, x_key, r) for rows, r in zip(data, runs)]
     keys = set().union(*(numeric_keys(rows) for rows in data)) - {key for key, _ in X_AXES.values()}
     panels = plot_panels(keys)
@@ -141,7 +238,14 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
         raise PlotError("drawing needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from e
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise PlotError(
+            f"--out {out}: {out.suffix} is not a picture format matplotlib writes; "
+            f"use .png (or .{', .'.join(sorted(formats))})"
+        )
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, layout="constrained")
@@ -182,10 +286,18 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(", ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        reason = (
+            "a folder on its path is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        )
+        raise PlotError(f"cannot write {out} ({reason}); choose an --out you can write to") from e
+    finally:
+        plt.close(fig)
+    for warning in warnings:
+        print(warning, file=sys.stderr)
     return [title for title, _, _ in panels]
 
 
@@ -199,15 +311,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="step",
         help="x axis: step, tokens (tokens_seen), flops (train_flops) or time (elapsed_s) (default step)",
     )
-    p.add_argument("--out", metavar="FILE.png", help="the picture to write (default: <first RUN_DIR>/metrics.png)")
+    p.add_argument(
+        "--out",
+        metavar="FILE.png",
+        help="the picture to write, .png unless another suffix says (default: <first RUN_DIR>/metrics.png)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Draw the runs; a user error prints ``plot: error: ...`` and exits with status 2."""
     args = parse_args(argv)
-    out = args.out or str(Path(args.runs[0]) / "metrics.png")
     try:
+        out = picture_path(args.out or metrics_file(args.runs[0]).parent / "metrics.png")
         titles = draw(args.runs, out, x=args.x)
     except PlotError as e:
         print(f"plot: error: {e}", file=sys.stderr)

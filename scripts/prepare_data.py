@@ -5,7 +5,8 @@
     zcat dump.jsonl.gz | python scripts/prepare_data.py --input - --stdin_jsonl --out data/dump
 
 Inputs are files, folders (searched recursively for the ``--glob`` patterns) and ``-`` (standard
-input). A plain file is one document; ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` hold one document
+input: refused when empty or a terminal, since nothing was piped in). Inputs without any text (no
+documents, or only empty ones) are an error, not an empty dataset. A plain file is one document; ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` hold one document
 per line (the ``--text_key`` field); ``.parquet`` one per row (the ``--text_key`` column); other
 ``.gz`` / ``.zst`` files are one document, decompressed. Each document becomes ``[BOS] + UTF-8
 bytes + [EOS]``. The input is streamed (memory does not grow with the corpus), jsonl and Parquet are

@@ -9,6 +9,7 @@ Every document becomes ``[BOS] + UTF-8 bytes + [EOS]``. What a document is depen
 * ``*.parquet``: one document per row, the string column ``text_key`` (FineWeb-Edu's layout), read
   one row group at a time;
 * ``-``: standard input, one document (or, with ``stdin_jsonl``, one per line as in a jsonl file);
+  empty standard input, or a terminal, is refused: nothing was piped in;
 * a folder: the files under it, recursively and in sorted path order, whose name (or path relative
   to the folder, for a pattern with a ``/``) matches one of ``globs``, case-insensitively.
 
@@ -59,6 +60,7 @@ from spider_titan.vocab import BOS_ID, EOS_ID
 logger = logging.getLogger("spider_titan")
 
 STDIN = "-"
+_PIPE_HINT = "pipe the corpus in (cat corpus.txt | python scripts/prepare_data.py --input - --out DIR) or name files"
 # Folder files picked up by default (by prepare_data and the ``text`` dataset): text and structured corpora.
 DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.parquet")
 # Bytes per range of a big file / chunk of a stream; also the size above which a file is "big".
@@ -110,12 +112,15 @@ def find_sources(
     """The input streams named by ``inputs`` (files, folders, ``-``), checked before anything is read.
 
     Raises FileNotFoundError for a missing path or when nothing matches, ValueError for a Parquet
-    file without a string ``text_key`` column, and ModuleNotFoundError (naming the package and the
+    file without a string ``text_key`` column or for ``-`` when standard input is a terminal (nothing
+    piped in: reading would wait for typing), and ModuleNotFoundError (naming the package and the
     pip extra) when a format's optional package is missing.
     """
     sources: list[Source] = []
     for item in inputs:
         if str(item) == STDIN:
+            if sys.stdin is not None and sys.stdin.isatty():
+                raise ValueError(f"--input - reads standard input, which is a terminal here, not a pipe; {_PIPE_HINT}")
             sources.append(Source(None, "jsonl" if stdin_jsonl else "plain", "", None))
             continue
         p = Path(item)
@@ -411,9 +416,10 @@ def iter_tasks(sources: Sequence[Source], *, text_key: str = "text") -> Iterator
             with _reading(src.name, src.compression), ExitStack() as stack:
                 stream, raw = _open_stream(src, stack)
                 if src.kind == "jsonl":
-                    yield from _jsonl_tasks(src.name, stream, raw, text_key)
+                    tasks = _jsonl_tasks(src.name, stream, raw, text_key)
                 else:
-                    yield from _chunk_tasks(stream, raw)
+                    tasks = _chunk_tasks(stream, raw)
+                yield from (_refuse_empty_stdin(tasks) if src.path is None else tasks)
     if small:
         yield _FilesTask(tuple(small), small_bytes)
 
@@ -460,6 +466,16 @@ def _jsonl_tasks(name: str, stream: BinaryIO, raw: BinaryIO, key: str) -> Iterat
             lines, size, first = [], 0, lineno + 1
     if lines:
         yield _JsonlTask(name, first, tuple(lines), key, position.advance(size))
+
+
+def _refuse_empty_stdin(tasks: Iterator[Any]) -> Iterator[Any]:
+    """``tasks`` of standard input, which must not be empty: nothing piped in is a mistake (a command
+    before the pipe that failed or printed nothing), not one empty document."""
+    first = next(tasks, None)
+    if first is None or (isinstance(first, _BytesTask) and not first.data):
+        raise ValueError(f"standard input is empty (0 bytes), so there are no documents to write; {_PIPE_HINT}")
+    yield first
+    yield from tasks
 
 
 def _chunk_tasks(stream: BinaryIO, raw: BinaryIO) -> Iterator[_BytesTask]:
@@ -659,7 +675,8 @@ def prepare_shards(
         split: ShardWriter(out / split, split, shard_tokens=shard_tokens, header=fmt == "header")
         for split in ("train", "val")
     }
-    made = [d for d in (out, out / "train", out / "val") if not d.exists()]  # removed again on failure
+    # Removed again on failure, deepest first: the folders the shards go in and any parent of --out made for them.
+    made = [d for d in (*reversed(out.parents), out, out / "train", out / "val") if not d.exists()]
     try:
         documents = _write_split(
             encode_in_order(iter_tasks(sources, text_key=text_key), workers),
@@ -668,8 +685,13 @@ def prepare_shards(
             seed,
             Progress("prepare_data", total_bytes=total, every_s=progress_s),
         )
+        names = ["<stdin>" if str(i) == STDIN else str(i) for i in inputs]
         if not documents["train"]:
-            raise ValueError(f"the inputs {[str(i) for i in inputs]} hold no documents (empty .jsonl files?)")
+            raise ValueError(f"the inputs {names} hold no documents (empty .jsonl files, or only blank lines?)")
+        count = documents["train"] + documents["val"]
+        if writers["train"].num_tokens + writers["val"].num_tokens == 2 * count:  # BOS + EOS each: no text
+            what = "its one document is empty" if count == 1 else f"all {count} documents are empty"
+            raise ValueError(f"the inputs {names} hold no text ({what}: 0 bytes); pass files that have content")
         metadata = corpus_metadata(
             writers,
             documents,

@@ -118,11 +118,18 @@ def _read_shard(path: Path) -> np.ndarray:
 def find_shards(folder: str | Path) -> list[Path]:
     """Every ``*.bin`` under ``folder`` (recursive, sorted); a single ``.bin`` file is its own list.
 
-    Raises FileNotFoundError (one line naming the folder and the expected layout) when there are none.
+    Raises FileNotFoundError (one line naming the folder and the expected layout) when there are none,
+    and when ``folder`` is some other file (a text corpus, say), saying how to make shards from it.
     """
     folder = Path(folder)
     if folder.is_file() and folder.suffix == ".bin":
         return [folder]
+    if folder.is_file():
+        raise FileNotFoundError(
+            f"dataset path {folder} is a file, not a folder of *.bin token shards; make shards from it with "
+            f"`python scripts/prepare_data.py --input {folder} --out data/NAME` and pass data/NAME "
+            "(or read it as text with training.dataset = 'text')"
+        )
     if not folder.is_dir():
         raise FileNotFoundError(f"dataset folder {folder} does not exist; {_LAYOUT_HINT}")
     shards = sorted(p for p in folder.rglob("*.bin") if p.is_file())

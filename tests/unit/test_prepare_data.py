@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -285,6 +286,86 @@ def test_stdin_is_one_document_or_jsonl(tmp_path, monkeypatch, stdin_jsonl):
     else:
         train = [data]
     assert _decoded_documents(tmp_path / "out" / "train") == train
+
+
+@pytest.mark.parametrize("stdin_jsonl", [False, True])
+@pytest.mark.parametrize("with_a_file", [False, True])
+def test_empty_standard_input_is_a_one_line_error(tmp_path, monkeypatch, stdin_jsonl, with_a_file):
+    (tmp_path / "a.txt").write_text("a document that alone must not hide the empty pipe")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    inputs = ["-", str(tmp_path / "a.txt")] if with_a_file else ["-"]
+    with pytest.raises(SystemExit) as info:
+        _script().main(["--input", *inputs, "--out", str(tmp_path / "out")] + ["--stdin_jsonl"] * stdin_jsonl)
+    message = str(info.value.code)
+    assert message.startswith("prepare_data: error: standard input is empty (0 bytes)") and "\n" not in message
+    assert "--input -" in message  # how to pipe a corpus in
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stdin_jsonl", [False, True])
+def test_the_script_on_empty_standard_input_prints_one_line_and_exits_1(tmp_path, stdin_jsonl):
+    args = [sys.executable, str(SCRIPT), "--input", "-", "--out", str(tmp_path / "out")]
+    result = subprocess.run(args + ["--stdin_jsonl"] * stdin_jsonl, stdin=subprocess.DEVNULL, capture_output=True)
+    assert result.returncode == 1
+    assert result.stderr.decode().startswith("prepare_data: error: standard input is empty")
+    assert result.stderr.count(b"\n") == 1 and b"Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_standard_input_from_a_terminal_is_refused_before_reading(tmp_path, monkeypatch):
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+        def read(self, *args):
+            raise AssertionError("a terminal must not be read: it waits for typing")
+
+    monkeypatch.setattr("sys.stdin", Terminal(io.BytesIO(b"")))
+    with pytest.raises(SystemExit) as info:
+        _script().main(["--input", "-", "--out", str(tmp_path / "out")])
+    message = str(info.value.code)
+    assert message.startswith("prepare_data: error: --input - reads standard input, which is a terminal")
+    assert "\n" not in message and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["an-empty-file", "a-folder-of-empty-files", "blank-stdin-jsonl"])
+def test_inputs_without_text_are_a_one_line_error_and_out_is_left_as_it_was(tmp_path, monkeypatch, case):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")  # an existing --out keeps what it held
+    if case == "an-empty-file":
+        (tmp_path / "empty.txt").write_bytes(b"")
+        inputs, fragment = [str(tmp_path / "empty.txt")], "hold no text (its one document is empty: 0 bytes)"
+    elif case == "a-folder-of-empty-files":
+        (tmp_path / "docs").mkdir()
+        for name in ("a.txt", "b.md", "__init__.py"):
+            (tmp_path / "docs" / name).write_bytes(b"")
+        inputs, fragment = [str(tmp_path / "docs")], "hold no text (all 3 documents are empty: 0 bytes)"
+    else:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n\n")))
+        inputs, fragment = ["-", "--stdin_jsonl"], "the inputs ['<stdin>'] hold no documents"
+    with pytest.raises(SystemExit) as info:
+        _script().main(["--input", *inputs, "--out", str(out)])
+    message = str(info.value.code)
+    assert message.startswith("prepare_data: error: ") and "\n" not in message and fragment in message, message
+    assert sorted(p.name for p in out.rglob("*")) == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "the user's own file"
+
+
+def test_a_failure_after_writing_removes_the_parent_folders_it_made(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")  # its document is written, then refused: no text
+    with pytest.raises(ValueError, match="hold no text"):
+        prepare_shards([tmp_path / "empty.txt"], tmp_path / "new" / "data" / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_empty_files_among_others_are_still_documents(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "__init__.py").write_bytes(b"")
+    (tmp_path / "docs" / "a.py").write_text("x = 1\n")
+    meta = prepare_shards([tmp_path / "docs"], tmp_path / "out", val_fraction=0)
+    assert meta["documents"] == 2
+    assert sorted(_decoded_documents(tmp_path / "out")) == ["", "x = 1\n"]
 
 
 def _error_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:

@@ -102,6 +102,17 @@ def test_no_shards_is_a_one_line_error(tmp_path, make):
     assert "\n" not in message and str(folder) in message and "*.bin" in message
 
 
+def test_a_file_that_is_not_a_shard_is_named_as_a_file(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text, not token shards")
+    with pytest.raises(FileNotFoundError) as info:
+        find_shards(corpus)
+    message = str(info.value)
+    assert "\n" not in message and "does not exist" not in message
+    assert f"{corpus} is a file, not a folder of *.bin token shards" in message
+    assert f"prepare_data.py --input {corpus} --out" in message
+
+
 def test_metadata_round_trip(tmp_path):
     assert read_metadata(tmp_path) is None
     meta = {"vocab_size": 272, "splits": {"train": {"tokens": 5}}}
