@@ -9,8 +9,9 @@ The model named in the export's config.json is rebuilt through the registry and 
 ``[BOS] + prompt bytes``; each next byte is greedy (``--temperature 0``) or drawn at
 ``--temperature`` from the ``--top_k`` most likely bytes (0 = all), until EOS or
 ``--max_new_bytes``. The model reads bytes, so the prompt is taken as the raw bytes of the
-argument (any byte string, UTF-8 or not) or of ``--prompt_file``. The work is done by
-:mod:`spider_titan.generation`.
+argument (any byte string, UTF-8 or not) or of ``--prompt_file``. ``--n_loops`` above the trained
+count runs only the loops up to the last one the end-of-run calibration gave a non-zero gain (the
+output is the same; one line on stderr says so). The work is done by :mod:`spider_titan.generation`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from spider_titan.generation import check_sampling, generate, load_model, resolve_device, uses_cache  # noqa: E402
+from spider_titan.generation import (  # noqa: E402
+    check_sampling,
+    effective_loops,
+    generate,
+    load_model,
+    resolve_device,
+    uses_cache,
+)
 from spider_titan.protocol import DTYPES  # noqa: E402
 
 
@@ -80,6 +88,13 @@ def read_prompt(args: argparse.Namespace) -> bytes:
         raise ValueError(f"--prompt_file {args.prompt_file}: {e.strerror}") from None
 
 
+def skipped_loops(run: int, asked: int) -> str:
+    """Why only ``run`` of the ``asked`` loops run (``effective_loops``)."""
+    which = f"loop {asked} has" if asked == run + 1 else f"loops {run + 1}-{asked} have"
+    it = "it leaves" if asked == run + 1 else "they leave"
+    return f"{which} calibrated gain 0 ({it} the output unchanged); running {run} loops"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Load the export, sample, print the prompt and its continuation; a user error exits with one line."""
     args = parse_args(argv)
@@ -93,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
         trained_loops = config["model"]["args"].get("n_loops")
         if args.n_loops is not None and trained_loops is None:
             raise ValueError(f"--n_loops: the model {config['model']['name']!r} has no core loops")
+        run_loops = effective_loops(model, args.n_loops)
+        if run_loops != args.n_loops:
+            print(f"generate: --n_loops {args.n_loops}: {skipped_loops(run_loops, args.n_loops)}", file=sys.stderr)
         t0 = time.perf_counter()
         out = generate(
             model,
@@ -110,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"generate: error: {e}")
     cached = not args.no_cache and uses_cache(model, len(prompt) + 1 + args.max_new_bytes)
-    loops = "" if trained_loops is None else f", n_loops {args.n_loops or trained_loops} (trained {trained_loops})"
+    run = "" if run_loops == args.n_loops else f", {run_loops} run"
+    loops = "" if trained_loops is None else f", n_loops {args.n_loops or trained_loops} (trained {trained_loops}{run})"
     if args.report or args.n_loops is not None:
         print(
             f"generate: {len(out)} bytes in {seconds:.2f} s ({len(out) / max(seconds, 1e-9):.0f} bytes/s, "

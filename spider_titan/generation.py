@@ -14,7 +14,9 @@ checkpoint (the newest complete one), for a quick look during training without a
 model, or a Spider option the decoder does not cover, recomputes the whole forward for every new
 byte (exact, at O(T^2) cost). The choice of the next byte (:func:`sample_next`) is
 greedy at ``temperature == 0``, else a softmax at ``temperature`` over the ``top_k`` best logits
-(all when 0). Only bytes and EOS can be drawn; EOS ends the sample.
+(all when 0). Only bytes and EOS can be drawn; EOS ends the sample. A Spider asked for more loops
+than trained runs only those up to the last one whose calibrated gain is non-zero
+(:func:`effective_loops`): the output is the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -261,6 +263,25 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def effective_loops(model: nn.Module, n_loops: int | None) -> int | None:
+    """The fewest core loops whose output equals ``n_loops``' bit for bit. A Spider at eval hands on
+    ``h + gain_i (F_i(h) - h)`` from a loop ``i`` past its trained count (models/spider/recurrence.py),
+    and the end-of-run calibration sets ``gain_i = 0`` for a loop that did not help: such loops at
+    the end of the requested count compute and then hand on their input unchanged, so they are left
+    out. ``n_loops`` as given otherwise: not a Spider, no gains (``extra_loop_gains`` off, as in
+    exports from before them), ACT halting (which ignores the gains), or a count outside
+    ``n_loops..max_loops`` (the model's own error names the range)."""
+    if n_loops is None or not isinstance(model, Spider) or model.training:
+        return n_loops
+    trained, gains = model.args.n_loops, model.core.extra_loop_gain
+    if gains is None or model.core.halt_predictor is not None or not trained < n_loops <= model.args.max_loops:
+        return n_loops
+    needed = n_loops
+    while needed > trained and float(gains[needed - 1]) == 0.0:
+        needed -= 1
+    return needed
+
+
 def generate(model: nn.Module, prompt: bytes, **sampling) -> bytes:
     """The bytes ``model`` writes after ``[BOS] + prompt`` (at most ``max_new_bytes``, EOS stops);
     ``sampling`` are :func:`generate_batch`'s keywords."""
@@ -292,14 +313,16 @@ def generate_batch(
     A Spider generates with its caches (``use_cache``, when the decoder covers it and the whole
     sample fits ``max_seq_len``): each byte costs one byte's work. Otherwise every step recomputes
     the context, keeping the last ``context_len`` ids. ``n_loops``: the core's loop count for
-    Spider (test-time depth; default: as trained). Sampling draws from one generator seeded by
-    ``seed``, rows in order, so a row's sample does not depend on the batch only when alone."""
+    Spider (test-time depth; default: as trained), of which only :func:`effective_loops` run.
+    Sampling draws from one generator seeded by ``seed``, rows in order, so a row's sample does not
+    depend on the batch only when alone."""
     check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=max_new_bytes, top_p=top_p)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     rows = [[BOS_ID, *p] for p in prompts]
     outs = [bytearray() for _ in prompts]
     done = [False] * len(prompts)
+    n_loops = effective_loops(model, n_loops)
     extra = {"n_loops": n_loops} if n_loops is not None and isinstance(model, Spider) else {}
 
     def draw(i: int, logits: torch.Tensor) -> None:

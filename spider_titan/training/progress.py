@@ -62,8 +62,10 @@ class Progress:
     :data:`FLOPS_PER_BYTE`), else ``flops_per_byte`` (the spec's formula). They are summed on the device
     every step and brought to the host only by :meth:`fold_flops`, which the loop calls where it syncs
     anyway. Rates cover the interval since the last log or validation (:meth:`new_interval`);
-    ``val_freq`` is None for a run without validation. With a FLOPs ``budget`` the run's length (for
-    the ETA and the logged total) is the steps the budget affords at the FLOPs per step so far.
+    ``val_freq`` is None for a run without validation; ``val_tokens`` (``Validator.pass_tokens``, 0
+    when unknown) estimates the first validation's duration for the ETA. With a FLOPs ``budget`` the
+    run's length (for the ETA and the logged total) is the steps the budget affords at the FLOPs per
+    step so far.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Progress:
         flops_per_byte: float,
         val_freq: int | None,
         budget: FlopsBudget | None = None,
+        val_tokens: int = 0,
     ):
         self.state = state
         self.budget = budget
@@ -85,6 +88,7 @@ class Progress:
         self.world_size = world_size
         self.total_steps = total_steps
         self.val_freq = val_freq
+        self.val_tokens = val_tokens
         self.formula_flops = flops_per_byte
         self.local_tokens_per_step = training.local_batch_size * training.gradient_accumulation_steps * training.seq_len
         self.tokens_per_step = self.local_tokens_per_step * dp_degree
@@ -97,7 +101,7 @@ class Progress:
         self.peak = peak_flops(self.device)
         self.t_start = time.perf_counter()
         self.step_time: float | None = None  # smoothed seconds per training step (validation excluded)
-        self.val_time = 0.0  # seconds the last validation took
+        self.val_time: float | None = None  # seconds the last validation took
         self.interval_flops = 0.0
         self.throughput.reset()
 
@@ -128,12 +132,32 @@ class Progress:
             return step
         return min(self.total_steps, max(step + 1, math.ceil(self.budget.projected_steps(step))))
 
-    def eta(self, step: int) -> float:
+    def validations_left(self, step: int, *, own: bool) -> int:
+        """The validations after ``step`` (every ``val_freq`` steps, and the last step), and ``step``'s
+        own when it is still to come (``own``: a log step's line comes before its validation)."""
+        if self.val_freq is None:
+            return 0
+        planned, f = self.planned_steps(step), self.val_freq
+        later = planned // f - step // f + (planned > step and planned % f != 0)
+        return later + (own and (step % f == 0 or step >= planned))
+
+    def val_seconds(self) -> float:
+        """A validation's expected duration: the last one's; before the first, its forward positions
+        (``val_tokens``) at a third of a training step's time per position (a forward is about a
+        third of a forward and backward); 0 while neither is known."""
+        if self.val_time is not None:
+            return self.val_time
+        if self.step_time is None:
+            return 0.0
+        return self.step_time * self.val_tokens / self.local_tokens_per_step / 3
+
+    def eta(self, step: int, *, val_pending: bool = False) -> float:
         """Seconds left after ``step``: the remaining steps at the smoothed step time, and the remaining
-        validations (the last step always validates) at the last one's duration."""
+        validations (``step``'s own too when ``val_pending``) at :meth:`val_seconds` each: the line
+        of the last step, logged before its validation, counts that validation."""
         remaining = self.planned_steps(step) - step
-        vals_left = remaining // self.val_freq + 1 if self.val_freq is not None and remaining else 0
-        return remaining * (self.step_time or 0.0) + vals_left * self.val_time
+        vals = self.validations_left(step, own=val_pending)
+        return remaining * (self.step_time or 0.0) + vals * self.val_seconds()
 
     def step_scalars(self, step: int, *, lr: float) -> dict[str, float]:
         """The numbers logged beside a log step's metrics (one device sync for the clock): elapsed time,
@@ -144,7 +168,7 @@ class Progress:
         scalars = dict(
             total_steps=self.planned_steps(step),
             elapsed_s=self.elapsed(),
-            eta_s=self.eta(step),
+            eta_s=self.eta(step, val_pending=True),
             lr=lr,
             tokens_per_s=tps,
             tokens_seen=self.state.tokens_seen,

@@ -102,3 +102,37 @@ def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
     assert logged["step"] == 4 and gains[2:] == [logged["loop_gain_3"], logged["loop_gain_4"]]
     assert load_model(run / "checkpoint" / "step-4")[0].core.extra_loop_gain.tolist() == gains
     assert older.core.extra_loop_gain.tolist() == [1.0] * 4
+
+
+def test_loops_with_calibrated_gain_0_are_skipped_with_one_line(tmp_path, monkeypatch):
+    """``--n_loops 4`` on a Spider trained at 2 whose calibration set loops 3 and 4 to gain 0: one
+    line says they are skipped, and the bytes are those of all 4 loops run (the library with
+    effective_loops patched to run what is asked)."""
+    from spider_titan import generation
+
+    spec = registry.get("model", "spider")
+    args = spec.build_args("debug", {})
+    model = spec.build_on_meta(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    model.core.extra_loop_gain[2:] = 0.0
+    write_export(full_model_state_dict(model), ModelIdentity.of("spider", "debug", args), tmp_path, dtype=torch.float32)
+
+    flags = ["--model", str(tmp_path), "--prompt", "def ", "--max_new_bytes", "24", "--temperature", "0"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/generate.py", *flags, "--n_loops", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == (
+        "generate: --n_loops 4: loops 3-4 have calibrated gain 0 (they leave the output unchanged); running 2 loops"
+    )
+    assert lines[1].endswith("n_loops 4 (trained 2, 2 run))") and len(lines) == 2
+    loaded, _ = load_model(tmp_path)
+    monkeypatch.setattr(generation, "effective_loops", lambda m, n: n)
+    every_loop = generate(loaded, b"def ", max_new_bytes=24, temperature=0, n_loops=4)
+    assert proc.stdout == "def " + every_loop.decode("utf-8", errors="replace") + "\n"

@@ -3,8 +3,10 @@ partial batch and the windows' tail included) and one pass per distinct eval var
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,8 +17,9 @@ from torch import nn
 from spider_titan.config.job_config import Validation
 from spider_titan.data.loader import ByteDataLoader, TokenDataset
 from spider_titan.protocol import ModelOutput, ModelSpec
+from spider_titan.training import validation
 from spider_titan.training.signals import StopSignal
-from spider_titan.training.validation import Validator, whole_split_batches
+from spider_titan.training.validation import Validator, whole_split_batch_count, whole_split_batches
 from spider_titan.vocab import IGNORE_INDEX, VOCAB_SIZE
 
 
@@ -122,6 +125,38 @@ def test_equal_variants_run_once_and_report_under_each_suffix():
         "val_bpb_x2",
         "val_mean_input",
     }
+
+
+@pytest.mark.parametrize("n_tokens,batch,world", [(200, 5, 1), (193, 5, 1), (200, 3, 2), (65, 4, 1), (400, 2, 3)])
+def test_whole_split_batch_count_is_what_the_pass_yields(n_tokens, batch, world):
+    data = [loader(stream(n_tokens), batch=batch, rank=r, world=world) for r in range(world)]
+    assert {len(list(whole_split_batches(d))) for d in data} == {whole_split_batch_count(data[0])}
+
+
+@pytest.mark.parametrize(("seconds_per_batch", "lines"), [(4.0, 4), (0.5, 0)])
+def test_a_long_validation_logs_its_progress_and_a_short_one_nothing(monkeypatch, caplog, seconds_per_batch, lines):
+    """A whole split of 7 batches and 2 variant groups: 14 forwards, each ``seconds_per_batch`` on a
+    clock the forward advances (no waiting). At 4 s a batch the pass takes 56 s and logs every 10 s
+    (after batches 3, 6, 9, 12; not the last: the results come next); at 0.5 s (7 s in all) nothing."""
+    clock = [100.0]
+
+    class Slow(Bigram):
+        def forward(self, input_ids, scale: float = 1.0):
+            clock[0] += seconds_per_batch
+            return super().forward(input_ids, scale)
+
+    monkeypatch.setattr(validation, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    caplog.set_level(logging.INFO, logger="spider_titan")
+    model = Slow()
+    check = validator(model, [("", {"scale": 1.0}), ("_x2", {"scale": 2.0})], loader(stream(200), batch=2), steps=-1)
+    assert check.batches_per_pass() == 14
+    assert check() is not None
+    assert sum(model.calls.values()) == 14
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation:")]
+    assert len(logged) == lines
+    if lines:
+        assert logged[0] == "validation: 3 of 14 batches | elapsed 12s | eta 44s"
+        assert logged[-1] == "validation: 12 of 14 batches | elapsed 48s | eta 8s"
 
 
 def test_eval_loops_paired_difference_matches_the_stream():
