@@ -13,9 +13,9 @@ of tokens, FLOPs and rates.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
-import shlex
 import signal
 import sys
 from contextlib import nullcontext
@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from spider_titan.checkpoint import build_checkpointer
-from spider_titan.checkpoint.export import check_export_target
+from spider_titan.checkpoint.export import check_export_target, export_command
 from spider_titan.checkpoint.lock import acquire_run_lock
+from spider_titan.checkpoint.run_folder import claim_run_folder, record_run_end, write_run_record
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.help import help_text, to_toml
 from spider_titan.config.job_config import JobConfig
@@ -53,7 +54,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig, *, command: str | None = None):
         self.cfg = cfg
         # How this run was started, quoted in messages that tell the user how to resume.
-        self.command = command or "python -m spider_titan.train --job.config_file <config>"
+        self.command = command or shell_command(
+            Path(sys.executable), "-m", "spider_titan.train", "--job.config_file", "<config>"
+        )
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         setup_logging(self.rank)
@@ -65,8 +68,15 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
-        # One run per folder, before anything is written to it; the end-of-run export may not
-        # replace anything but an export (checked now, not after hours of training).
+        # One run per folder, before anything is written to it: the folder is this run's (new, or
+        # its own to resume: checkpoint/run_folder.py), and the end-of-run export may not replace
+        # anything but an export (checked now, not after hours of training).
+        self.run_record: dict | None = None  # run.json (rank 0)
+
+        def claim() -> None:
+            config_hash = hashlib.sha256(to_toml(cfg).encode()).hexdigest()[:16]
+            self.run_record = claim_run_folder(self.dump_folder, cfg, config_hash=config_hash)
+
         export_check = partial(
             check_export_target,
             self.dump_folder / "export",
@@ -77,11 +87,8 @@ class Trainer:
             self.dump_folder,
             rank=self.rank,
             distributed=self.world_size > 1,
-            checks=[export_check] if cfg.checkpoint.export_at_end else [],
+            checks=[claim, export_check] if cfg.checkpoint.export_at_end else [claim],
         )
-        if self.rank == 0:
-            self.dump_folder.mkdir(parents=True, exist_ok=True)
-            (self.dump_folder / "config.toml").write_text(to_toml(cfg))
         torch.manual_seed(cfg.training.seed)
 
         self.run: Run = build_run(cfg, rank=self.rank, world_size=self.world_size, dump_folder=self.dump_folder)
@@ -90,6 +97,9 @@ class Trainer:
         # so the data iterator is made after it, from the restored loader.
         self.checkpointer = build_checkpointer(cfg.checkpoint, self.run, self.state)
         self.checkpointer.load()
+        if self.rank == 0:  # the run has started: its record and config (a refused start leaves the folder as it was)
+            write_run_record(self.dump_folder, self.run_record)
+            (self.dump_folder / "config.toml").write_text(to_toml(cfg))
         if self.run.flops_budget is not None:
             self.run.flops_budget.spent = self.state.flops
         self.data_iter = iter(self.run.train_loader)
@@ -134,6 +144,7 @@ class Trainer:
             budget=run.flops_budget,
             flops_per_byte=run.spec.flops_per_token(run.model_args, t.seq_len),
             val_freq=cfg.validation.freq if run.val_loader is not None else None,
+            val_tokens=self.validator.pass_tokens() if self.validator is not None else 0,
         )
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
         self.log_start_block()
@@ -349,13 +360,19 @@ class Trainer:
             self.best_val = (val["val_bpb"], step)
 
     def _stop(self, step: int, where: str) -> int:
-        """A signal stopped the run after ``step``: save a full checkpoint there (a resume point, also at
-        the last step), say where it stopped and how to resume; the exit status."""
+        """A signal stopped the run after ``step``: keep the model and say how to go on; the exit status.
+        With checkpoints, a full checkpoint there (a resume point, also at the last step); without,
+        the weights of ``step`` are exported (when the run exports at all), so a stop loses no training."""
         self.health.check(step)  # never save past a bad step
         self.checkpointer.maybe_save(step, stopping=True)
+        ck = self.cfg.checkpoint
+        exported = not ck.enable and ck.export_at_end
+        if exported:
+            self.checkpointer.export_at_end(step)  # well under a second at debug size; a second signal stops at once
         name = signal.Signals(self.stop.signum).name
         if self.rank == 0:
-            if self.cfg.checkpoint.enable:
+            record_run_end(self.dump_folder, self.run_record, state="stopped", step=step)
+            if ck.enable:
                 logger.warning(
                     "%s: stopped at step %d with a checkpoint (%s)%s; resume with: %s",
                     name,
@@ -364,46 +381,59 @@ class Trainer:
                     where,
                     self.command,
                 )
+            elif exported:
+                logger.warning(
+                    "%s: stopped at step %d%s; its weights are exported to %s (no resume point: "
+                    "checkpoint.enable = false)",
+                    name,
+                    step,
+                    where,
+                    self.dump_folder / "export",
+                )
             else:
                 logger.warning("%s: stopped at step %d%s; nothing saved (checkpoint.enable = false)", name, step, where)
         return 128 + self.stop.signum
 
     def _export_at_end(self, step: int) -> int:
-        """The end-of-run export (when asked for), then the closing lines; the exit status. A signal
-        before or during the export cuts it short (nothing half-written is left); the run is trained
-        and, with checkpointing, saved, so it ends with 0 and the command that writes the export."""
-        if self.cfg.checkpoint.export_at_end:
-            try:
-                if self.stop.requested():  # came during the final validation or save
-                    raise Interrupted(self.stop.signum)
-                with self.stop.at_once():
-                    self.checkpointer.export_at_end(step)
-            except Interrupted:
-                saved = self.checkpointer.folder / f"step-{step}"
-                if not (self.cfg.checkpoint.enable and saved.is_dir()):
-                    return self._stop(step, ", the last, in its export")
-                out, dtype = self.dump_folder / "export", self.cfg.checkpoint.export_dtype
-                write = shlex.join(
-                    [
-                        sys.executable,
-                        "scripts/export_safetensors.py",
-                        "--checkpoint",
-                        str(saved),
-                        "--out",
-                        str(out),
-                        *([] if dtype == "float32" else ["--dtype", dtype]),
-                    ]
-                )
-                if self.rank == 0:
+        """The end-of-run export (when asked for), then the closing lines; the exit status.
+
+        With a checkpoint of ``step`` on disk, a signal before or during the export cuts it short
+        (nothing half-written is left) and the run ends with 0 and the command that writes the
+        export. Without one the export is all the run keeps, so it runs to its end whatever the
+        first signal (a second one stops at once)."""
+        ck = self.cfg.checkpoint
+        if ck.export_at_end:
+            saved = self.checkpointer.folder / f"step-{step}"  # written at the last step when checkpoints are on
+            if not ck.enable:  # decided by the config, never by a folder rank 0 may not have renamed yet
+                self.checkpointer.export_at_end(step)
+                if self.stop.signum is not None and self.rank == 0:
                     logger.warning(
-                        "%s: the run is finished and saved (%s), but its export is incomplete (%s not "
-                        "written); write it with: %s",
+                        "%s received during the end-of-run export: the export was finished first (it is all "
+                        "this run keeps); the run is complete",
                         signal.Signals(self.stop.signum).name,
-                        saved,
-                        out,
-                        write,
                     )
-                return 0
+            else:
+                try:
+                    if self.stop.requested():  # came during the final validation or save
+                        raise Interrupted(self.stop.signum)
+                    with self.stop.at_once():
+                        self.checkpointer.export_at_end(step)
+                except Interrupted:
+                    out = self.dump_folder / "export"
+                    write = export_command(saved, out, ck.export_dtype)
+                    if self.rank == 0:
+                        record_run_end(self.dump_folder, self.run_record, state="finished", step=step)
+                        logger.warning(
+                            "%s: the run is finished and saved (%s), but its export is incomplete (%s not "
+                            "written); write it with: %s",
+                            signal.Signals(self.stop.signum).name,
+                            saved,
+                            out,
+                            write,
+                        )
+                    return 0
+        if self.rank == 0:
+            record_run_end(self.dump_folder, self.run_record, state="finished", step=step)
         self.log_end_block()
         return 0
 
@@ -474,16 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     if "--print_config" in argv:  # the resolved config as TOML; nothing is built
         print(to_toml(cfg), end="")
         return 0
-    command = "python -m spider_titan.train " + shlex.join(argv)
+    command = launch_command(argv)
     trainer = None
     if from_cli:  # until the trainer takes over, and once it has closed, a signal stops the program at once
 
         def stop_now(signum, frame) -> None:
-            name = signal.Signals(signum).name
             if trainer is not None:
-                exit_now(
-                    signum, f"{name} received while closing the run: stopped at once; its checkpoints are complete"
-                )
+                closing(signum, frame)
             for sig in STOP_SIGNALS:  # start-up unwinds (removing what it had begun); a second signal exits at once
                 signal.signal(
                     sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once")
@@ -544,15 +571,39 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
         else:
             destroy_process_groups()
-        if from_cli:  # the handlers hold the trainer: restored, it can go
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+        if from_cli:  # closing: a signal ends the process at once, in one line (no KeyboardInterrupt mid-collect)
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, closing)
         # The model sits in reference cycles (FSDP's hooks), and through its meshes holds the process
         # groups: collected now, their threads end here rather than in the interpreter's shutdown
         # (parallel/mesh.py destroy_process_groups).
         trainer = None
         gc.collect()
+        if from_cli:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
     return 0
+
+
+def closing(signum, frame) -> None:
+    """A signal while the run closes: end the process now (what the run saved is complete)."""
+    exit_now(
+        signum,
+        f"{signal.Signals(signum).name} received while closing the run: stopped at once; what it saved is complete",
+    )
+
+
+def launch_command(argv: list[str]) -> str:
+    """The command that runs this program again with ``argv``, with this interpreter (the venv's):
+    the torchrun launch on more than one rank (on one node; on several, with their rendezvous flags)."""
+    python = Path(sys.executable)
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world <= 1:
+        return shell_command(python, "-m", "spider_titan.train", *argv)
+    launch = ["-m", "torch.distributed.run", f"--nproc_per_node={local}"]
+    launch += ["--standalone"] if world == local else [f"--nnodes={world // max(local, 1)}"]
+    command = shell_command(python, *launch, "-m", "spider_titan.train", *argv)
+    return command if world == local else command + " (on every node, with its rendezvous flags)"
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ def run_train(
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def shown_python() -> str:
+    """This interpreter as the trainer's printed commands name it from the repository root
+    (metrics.logger.shell_command): relative inside the repository, else absolute."""
+    python = Path(os.path.abspath(sys.executable))
+    return str(python.relative_to(REPO) if python.is_relative_to(REPO) else python)
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     """The rows of ``metrics.jsonl`` a run wrote (training steps and validation rows)."""
     path = Path(dump_folder) / "metrics.jsonl"

@@ -195,16 +195,25 @@ def damaged_files_reason(path: Path, meta: dict[str, Any], *, verify: list[str] 
     return None
 
 
-def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under ``folder``, oldest first."""
+def step_folders(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-<N>`` folder under ``folder``, complete or not, oldest first."""
     if not folder.is_dir():
         return []
-    found = []
-    for path in folder.iterdir():
-        m = STEP_RE.match(path.name)
-        if m and is_complete(path):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir())
+
+
+def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``folder``, oldest first."""
+    return [(step, path) for step, path in step_folders(folder) if is_complete(path)]
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why a ``step-<N>`` folder is not a complete checkpoint (a file the save writes last is
+    missing: the save was cut short, or the folder was copied in part), or None."""
+    missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+    if not missing:
+        return None
+    return f"{path}: no {' or '.join(missing)}, so not a complete checkpoint (a cut-short save or a partial copy)"
 
 
 def damage_reason(path: Path) -> str | None:

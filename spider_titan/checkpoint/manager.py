@@ -74,12 +74,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from spider_titan.checkpoint.export import full_model_state_dict, write_export
+from spider_titan.checkpoint.export import export_command, full_model_state_dict, write_export
 from spider_titan.checkpoint.layout import (
     FORMAT_VERSION,
     META_FILE,
     SINGLE_PROCESS_NOTICE,
-    STEP_RE,
     TMP_RE,
     DamagedCheckpointError,
     ModelIdentity,
@@ -90,15 +89,16 @@ from spider_titan.checkpoint.layout import (
     file_records,
     first_cause,
     good_checkpoint_reason,
-    is_complete,
+    incomplete_reason,
     is_model_only,
     list_checkpoints,
     read_meta,
     resolve_checkpoint,
     share,
+    step_folders,
 )
 from spider_titan.config.job_config import Checkpoint as CheckpointConfig
-from spider_titan.errors import WriteFailed, describe_os_error, find_os_error
+from spider_titan.errors import StateMismatch, WriteFailed, _chain, describe_os_error, find_os_error
 from spider_titan.protocol import DTYPES
 
 if TYPE_CHECKING:
@@ -265,7 +265,6 @@ class Checkpointer:
                 )
             return step
         if cfg.enable:
-            self._warn_incomplete()
             step = self._resume(origin="resuming")
             if step is not None:
                 return step
@@ -281,13 +280,13 @@ class Checkpointer:
 
     def _resume(self, *, origin: str, at_most: int | None = None) -> int | None:
         """Load the newest checkpoint (at or before ``at_most``) that loads; the step, or None when
-        there is none to try. Damaged ones are passed over with a warning each; when every one
-        tried is damaged, ValueError (starting afresh would overwrite them)."""
-        damaged = []
-        for step, path in reversed(list_checkpoints(self.folder)):
+        there is none to try. Incomplete and damaged ones are passed over alike, with a warning each;
+        when none tried loads, ValueError naming each and why (a fresh start would train over them)."""
+        failed = []
+        for step, path in reversed(step_folders(self.folder)):
             if at_most is not None and step > at_most:
                 continue
-            reason = damage = damage_reason(path)
+            reason = damage = incomplete_reason(path) or damage_reason(path)
             if damage is None:
                 reason = good_checkpoint_reason(path)
             if reason is None:
@@ -296,15 +295,15 @@ class Checkpointer:
                 except DamagedCheckpointError as e:
                     reason = damage = str(e)
             if damage is not None:
-                damaged.append(path.name)
+                failed.append(damage)
             elif is_model_only(path):
                 continue
             if self.rank == 0:
                 logger.warning("checkpoint: skipping %s: %s", path, reason)
-        if damaged:
+        if failed:
             raise ValueError(
-                f"{origin}: every checkpoint in {self.folder} is damaged ({', '.join(damaged)}; the log says why); "
-                "move that folder away to start from step 0"
+                f"{origin}: no checkpoint in {self.folder} loads: {'; '.join(failed)}; this run will not train over "
+                "them: restore their files, or give this run its own folder with --job.dump_folder <path>"
             )
         return None
 
@@ -374,6 +373,9 @@ class Checkpointer:
             dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), **self._dcp_kwargs())
         except (Exception, dcp.CheckpointException) as e:  # a BaseException wrapping every rank's failure
             failure = e
+        mismatch = next((e for e in _chain(failure) if isinstance(e, StateMismatch)), None)
+        if mismatch is not None:  # the checkpoint is fine: this run's settings differ from the saved ones
+            raise ValueError(f"{where} does not fit this run: {mismatch}") from None
         agreed = self._agree(None if failure is None else f"{where} cannot be loaded: {first_cause(failure)}")
         if agreed is not None:
             raise DamagedCheckpointError(agreed) from failure
@@ -579,15 +581,6 @@ class Checkpointer:
             else:
                 logger.info("checkpoint: removed %s (keep_latest_k = %d)", path, k)
 
-    def _warn_incomplete(self) -> None:
-        if self.rank != 0 or not self.folder.is_dir():
-            return
-        for path in sorted(self.folder.iterdir()):
-            if STEP_RE.match(path.name) and not is_complete(path):
-                logger.warning(
-                    "checkpoint: skipping %s: no .metadata or %s, not a complete checkpoint", path, META_FILE
-                )
-
     def _remove_partial(self) -> None:
         if not self.folder.is_dir():
             return
@@ -620,8 +613,8 @@ class Checkpointer:
         saved = list_checkpoints(self.folder) if self.cfg.enable else []
         later = (
             (
-                f"; the checkpoint {saved[-1][1]} is saved: export it later with python scripts/export_safetensors.py "
-                f"--checkpoint {saved[-1][1]} --out {out}"
+                f"; the checkpoint {saved[-1][1]} is saved: export it later with "
+                f"{export_command(saved[-1][1], out, self.cfg.export_dtype)}"
             )
             if saved
             else ""

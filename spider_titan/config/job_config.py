@@ -88,7 +88,12 @@ class Job:
     config_file: str = ""
     """TOML file to load (``--job.config_file``); CLI overrides apply on top of it."""
     dump_folder: str = "./outputs"
-    """Folder for everything a run writes: resolved config, checkpoints, TensorBoard logs, exports."""
+    """Folder for everything a run writes: resolved config, checkpoints, TensorBoard logs, exports.
+    It belongs to one run (its ``run.json``): a later start there resumes that run from its checkpoints,
+    or is refused; a non-empty folder spider_titan did not make is always refused."""
+    overwrite: bool = False
+    """Start a new run from step 0 in a dump folder that holds an earlier run, deleting the files that
+    run wrote (``run.json`` lists them; checkpoints included) and nothing else."""
     description: str = ""
     """Free text describing the job, written to the resolved config."""
 

@@ -98,6 +98,10 @@ def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
         problems.append(
             f"training.dataset_path: required for training.dataset = {t.dataset!r}; set it to your data folder"
         )
+    if not cfg.job.dump_folder.strip():
+        problems.append(
+            "job.dump_folder: empty; name the folder for the run's files, e.g. --job.dump_folder outputs/myrun"
+        )
     if cfg.checkpoint.initial_load_model_only and not cfg.checkpoint.initial_load_path:
         problems.append("checkpoint.initial_load_model_only: needs checkpoint.initial_load_path")
     return problems

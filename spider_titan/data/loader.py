@@ -36,6 +36,7 @@ from spider_titan.data.builtin_corpus import builtin_corpus_dir
 from spider_titan.data.ingest import read_documents
 from spider_titan.data.shards import DataError, bad_token_error, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import encode_bytes
+from spider_titan.errors import StateMismatch
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 logger = logging.getLogger("spider_titan")
@@ -452,7 +453,7 @@ class ByteDataLoader(Stateful):
             if int(state_dict[key]) != mine
         ]
         if problems:
-            raise ValueError(
+            raise StateMismatch(
                 "dataloader state does not match this run: "
                 + "; ".join(problems)
                 + "; resume with the saved values or load the model only (checkpoint.initial_load_model_only)"

@@ -163,35 +163,62 @@ def shell_command(*args: str | Path) -> str:
 
 
 class TensorBoardLogger:
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
+    """TensorBoard scalars under ``log_dir``; its event file is created by the first log, so a run
+    that stops before logging leaves no file behind."""
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.writer = None
         logger.info("TensorBoard: %s", log_dir)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.log_dir))
         for key, value in scalars.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key.replace(".", "/"), value, step)
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """Whether ``path`` exists, is not empty and does not end with a newline."""
+    try:
+        with path.open("rb") as f:
+            if f.seek(0, 2) == 0:
+                return False
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 class JsonlLogger:
-    """One JSON object per logged step in ``metrics.jsonl`` (easy to plot or compare runs with)."""
+    """One JSON object per logged step in ``metrics.jsonl`` (easy to plot or compare runs with),
+    opened for appending at the first log (a resumed run continues the file)."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a")
+        self.path = path
+        self.file = None
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            cut = _ends_mid_line(self.path)
+            self.file = self.path.open("a")
+            if cut:  # a row cut short by a crash stays a line of its own
+                self.file.write("\n")
         self.file.write(json.dumps({"step": step, **scalars}) + "\n")
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def build_jsonl_logger(cfg: Metrics, *, log_dir: Path, rank: int) -> JsonlLogger:

@@ -32,7 +32,7 @@ from spider_titan.config.parse import sections
 from spider_titan.data.shards import write_shard
 from spider_titan.train import main
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
-from tests.utils import REPO, check_ok, read_metrics, run_train
+from tests.utils import REPO, check_ok, read_metrics, run_train, shown_python
 
 SPIDER = [
     "--job.config_file",
@@ -111,6 +111,11 @@ def _empty(data: Path) -> None:
     data.mkdir(parents=True)
 
 
+def _a_text_file(data: Path) -> None:
+    data.mkdir(parents=True)
+    (data / "notes.txt").write_text("text\n")
+
+
 def _wrong_types() -> tuple[list[str], list[str]]:
     """One wrongly typed value for every section that has a number or bool field."""
     args, keys = [], []
@@ -174,6 +179,13 @@ ROWS = [
         _pad_windows,
     ),
     Row("empty-folder", SPIDER + BYTES, 2, ["no *.bin token shards under {data}"], _empty),
+    Row(
+        "dataset-path-is-a-file",
+        SPIDER + ["--training.dataset", "bytes", "--training.dataset_path", "{data}/notes.txt"],
+        2,
+        ["dataset path {data}/notes.txt is a file, not a folder of *.bin token shards"],
+        _a_text_file,
+    ),
     Row("missing-folder", SPIDER + BYTES, 2, ["{data}", "does not exist"]),
     Row("wrong-types", SPIDER + WRONG_ARGS, 2, [WRONG_KEYS[0]], extra_lines=len(WRONG_KEYS) - 1),
     Row("unknown-key", SPIDER + ["--training.stepz", "3"], 2, ["training.stepz"]),
@@ -296,6 +308,7 @@ def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_p
     assert saved, "the steps before the divergence were saved"
     last = saved[-1]
     assert f"last good checkpoint {last}" in lines[0] and f"--checkpoint.load_step {last.name[5:]}" in lines[0]
+    assert f"resume from it with: {shown_python()} -m spider_titan.train " in lines[0], lines[0]
     bad_step = int(lines[0].split()[2].rstrip(":"))  # "error: step N: non-finite ..."
     assert bad_step == int(last.name[5:]) + 1  # every finite step before it was saved (interval 1)
     assert all(finite_checkpoint(p) for p in saved)
@@ -642,8 +655,8 @@ def test_disk_full_during_the_end_of_run_export(tmp_path, in_process, capsys, mo
 
     dump = tmp_path / "run"
 
-    def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full_disk(*args, **kwargs):  # safetensors' own words for a full disk: not an OSError
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     code, _, lines = _train(CKPT + ["--training.steps", "2", "--checkpoint.export_at_end", "true"], dump, capsys)
@@ -651,6 +664,7 @@ def test_disk_full_during_the_end_of_run_export(tmp_path, in_process, capsys, mo
     assert code == 1 and len(lines) == 1, lines
     assert lines[0].startswith("error: export at step 2 not written") and str(dump / "export") in lines[0], lines
     assert "no space left on device (ENOSPC)" in lines[0]
+    assert f"export it later with {shown_python()} " in lines[0], lines
     assert f"--checkpoint {step2} --out {dump / 'export'}" in lines[0]
     assert not (dump / "export").exists() and finite_checkpoint(step2)
 
@@ -713,8 +727,159 @@ def test_every_checkpoint_damaged_stops_instead_of_starting_over(tmp_path, in_pr
         _cut_data(dump / "checkpoint" / step)
     before = snapshot(dump / "checkpoint")
     code, _, lines = _train(CKPT + ["--training.steps", "3"], dump, capsys)
-    assert code == 2 and len(lines) == 1 and "every checkpoint in" in lines[0] and "step-2, step-1" in lines[0], lines
+    assert code == 2 and len(lines) == 1, lines
+    assert f"no checkpoint in {dump / 'checkpoint'} loads" in lines[0] and "will not train over them" in lines[0]
+    assert str(dump / "checkpoint" / "step-2" / "__0_0.distcp") in lines[0], lines
+    assert str(dump / "checkpoint" / "step-1" / "__0_0.distcp") in lines[0], lines
     assert snapshot(dump / "checkpoint") == before
+
+
+# ---------------------------------------------------------------- a run folder is one run's (issue 36)
+
+
+@dataclass
+class FolderRow:
+    """A folder made by ``make(tmp_path)`` (a real earlier run, or a user's own files), then a start
+    there with ``args``: its exit code, the phrases of its one stderr line, and every file under
+    ``{dump}`` byte for byte the same afterwards."""
+
+    id: str
+    make: Callable[[Path, object], None]
+    args: list[str]
+    code: int
+    needles: list[str]
+
+
+def _earlier_run(args: list[str]) -> Callable[[Path, object], None]:
+    def make(dump: Path, capsys) -> None:
+        assert _train(args + ["--training.steps", "2"], dump, capsys)[0] == 0
+
+    return make
+
+
+def _then(first: Callable[[Path, object], None], damage: Callable[[Path], None]) -> Callable[[Path, object], None]:
+    def make(dump: Path, capsys) -> None:
+        first(dump, capsys)
+        for step in sorted((dump / "checkpoint").glob("step-*")):
+            damage(step)
+
+    return make
+
+
+def _users_folder(dump: Path, capsys) -> None:
+    dump.mkdir()
+    (dump / "config.toml").write_text("# my own notes\nlr = 3\n")
+    (dump / "metrics.jsonl").write_text('{"mine": 1}\n')
+
+
+def _no_metadata(step: Path) -> None:
+    (step / ".metadata").unlink()
+
+
+EXPORTS = MOCK + ["--checkpoint.export_at_end", "true", "--metrics.enable_tensorboard", "true"]
+ONE_CKPT = CKPT + ["--checkpoint.interval", "100", "--metrics.enable_tensorboard", "true"]
+FOLDER_ROWS = [
+    FolderRow(
+        "only-checkpoint-without-metadata",
+        _then(_earlier_run(ONE_CKPT), _no_metadata),
+        ONE_CKPT + ["--training.steps", "3"],
+        2,
+        ["no checkpoint in {dump}/checkpoint loads", "{dump}/checkpoint/step-2: no .metadata", "will not train over"],
+    ),
+    FolderRow(
+        "only-checkpoint-with-bad-meta",
+        _then(_earlier_run(ONE_CKPT), _garbage_meta),
+        ONE_CKPT + ["--training.steps", "3"],
+        2,
+        ["no checkpoint in {dump}/checkpoint loads", "{dump}/checkpoint/step-2/meta.json: unreadable"],
+    ),
+    FolderRow(
+        "finished-run-checkpoints-off",
+        _earlier_run(EXPORTS),
+        EXPORTS + ["--training.steps", "3"],
+        2,
+        ["{dump} holds run ", "finished at step 2", "export/", "metrics.jsonl", "--job.overwrite true"],
+    ),
+    FolderRow(
+        "finished-run-model-only-save",
+        _earlier_run(MOCK + ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true"]),
+        MOCK + ["--checkpoint.enable", "true", "--training.steps", "3"],
+        2,
+        ["{dump} holds run ", "checkpoint/", "no full checkpoint to resume from", "--job.dump_folder <path>"],
+    ),
+    FolderRow(
+        "users-own-folder",
+        _users_folder,
+        MOCK + ["--training.steps", "1"],
+        2,
+        ["{dump} is not empty and was not made by spider_titan", "config.toml, metrics.jsonl"],
+    ),
+    FolderRow(
+        "users-own-folder-overwrite",
+        _users_folder,
+        MOCK + ["--training.steps", "1", "--job.overwrite", "true"],
+        2,
+        ["{dump} is not empty and was not made by spider_titan"],
+    ),
+    FolderRow(
+        "resume-with-another-seq-len",
+        _earlier_run(ONE_CKPT),
+        ONE_CKPT + ["--training.steps", "3", "--training.seq_len", "32"],
+        2,
+        ["{dump}/checkpoint/step-2 does not fit this run", "seq_len=64 in the checkpoint but seq_len=32"],
+    ),
+]
+
+
+@pytest.mark.parametrize("row", FOLDER_ROWS, ids=[r.id for r in FOLDER_ROWS])
+def test_a_run_folder_is_never_trained_over(row, tmp_path, in_process, capsys):
+    dump = tmp_path / "run"
+    row.make(dump, capsys)
+    before = snapshot(dump)
+    code, _, lines = _train(row.args, dump, capsys)
+    assert code == row.code and len(lines) == 1, lines
+    for needle in row.needles:
+        assert needle.replace("{dump}", str(dump)) in lines[0], (needle, lines[0])
+    assert snapshot(dump) == before
+
+
+def test_overwrite_replaces_a_finished_run(tmp_path, in_process, capsys):
+    """--job.overwrite true deletes what the earlier run wrote (and nothing else), then trains anew."""
+    dump = tmp_path / "run"
+    _earlier_run(EXPORTS)(dump, capsys)
+    (dump / "notes.txt").write_text("mine")
+    old_id = json.loads((dump / "run.json").read_text())["run_id"]
+    code, out, lines = _train(EXPORTS + ["--training.steps", "3", "--job.overwrite", "true"], dump, capsys)
+    assert code == 0 and lines == [], lines
+    assert f"run folder: job.overwrite: deleted export/, metrics.jsonl, tb/ of run {old_id}" in out, out[-3000:]
+    assert [row["step"] for row in read_metrics(dump) if "loss" in row] == [1, 2, 3]
+    assert len(list((dump / "tb").iterdir())) == 1 and (dump / "notes.txt").read_text() == "mine"
+    run = json.loads((dump / "run.json").read_text())
+    assert run["run_id"] != old_id and run["state"] == "finished" and run["step"] == 3
+
+
+def test_empty_dump_folder_is_a_config_error(tmp_path, in_process, capsys, monkeypatch):
+    """``--job.dump_folder ""`` would write into the current folder (the repository root): refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("a repository")
+    with torch.random.fork_rng():
+        code = main([*(str(REPO / a) if a.endswith(".toml") else a for a in SPIDER), *MOCK, "--job.dump_folder", ""])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == (
+        "config error: job.dump_folder: empty; name the folder for the run's files, e.g. --job.dump_folder outputs/myrun"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+
+
+def test_a_start_that_failed_leaves_a_folder_the_next_start_takes(tmp_path, in_process, capsys):
+    """A start refused after the folder was claimed (bad data) writes nothing there, so the next
+    start in the same folder trains."""
+    dump = tmp_path / "run"
+    bad = ["--training.dataset", "bytes", "--training.dataset_path", str(tmp_path / "missing"), "--training.steps", "1"]
+    code, _, lines = _train(bad, dump, capsys)
+    assert code == 2 and "does not exist" in lines[0], lines
+    assert list(dump.iterdir()) == []  # no run.json, config.toml, metrics or TensorBoard file
+    assert _train(MOCK + ["--training.steps", "1"], dump, capsys)[0] == 0
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
@@ -765,6 +930,79 @@ def _script_main(name: str, argv: list[str], capsys) -> tuple[int, str, list[str
         code, err = 1, err + code + "\n"
     assert "Traceback" not in err, err
     return code, out, [line for line in err.splitlines() if line.strip()]
+
+
+@dataclass
+class ToolRow:
+    """A script's command line (``{root}`` is the test's folder), what ``make(root)`` put there first,
+    the exit code, the phrases of its one stderr line, and every file under ``{root}`` unchanged."""
+
+    id: str
+    script: str
+    args: list[str]
+    code: int
+    needles: list[str]
+    make: Callable[[Path], None] | None = None
+    stdin: bytes | None = None
+
+
+def _metrics(*lines: str) -> Callable[[Path], None]:
+    def make(root: Path) -> None:
+        (root / "run").mkdir()
+        (root / "run" / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+    return make
+
+
+def _file(root: Path) -> None:
+    (root / "notes.txt").write_text("not a run\n")
+
+
+TOOL_ROWS = [
+    ToolRow(
+        "plot-broken-line",
+        "plot",
+        ["{root}/run"],
+        2,
+        ["{root}/run/metrics.jsonl line 2: not JSON", "fix or delete that line"],
+        _metrics('{"step": 1, "loss": 2.0}', "garbage", '{"step": 2, "loss": 1.0}'),
+    ),
+    ToolRow("plot-empty-metrics", "plot", ["{root}/run"], 2, ["holds no logged step yet"], _metrics()),
+    ToolRow("plot-missing-folder", "plot", ["{root}/nope"], 2, ["run folder {root}/nope does not exist"]),
+    ToolRow(
+        "plot-run-is-a-file", "plot", ["{root}/notes.txt"], 2, ["{root}/notes.txt is a file, not a run folder"], _file
+    ),
+    ToolRow(
+        "prepare-data-empty-stdin",
+        "prepare_data",
+        ["--input", "-", "--out", "{root}/data"],
+        1,
+        ["prepare_data: error: standard input is empty (0 bytes)"],
+        stdin=b"",
+    ),
+    ToolRow(
+        "prepare-data-empty-stdin-jsonl",
+        "prepare_data",
+        ["--input", "-", "--stdin_jsonl", "--out", "{root}/data"],
+        1,
+        ["standard input is empty (0 bytes)"],
+        stdin=b"",
+    ),
+]
+
+
+@pytest.mark.parametrize("row", TOOL_ROWS, ids=[r.id for r in TOOL_ROWS])
+def test_hostile_tool_input(row, tmp_path, in_process, capsys, monkeypatch):
+    if row.make is not None:
+        row.make(tmp_path)
+    if row.stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(row.stdin)))
+    before = snapshot(tmp_path)
+    code, _, lines = _script_main(row.script, [a.replace("{root}", str(tmp_path)) for a in row.args], capsys)
+    assert code == row.code and len(lines) == 1, lines
+    for needle in row.needles:
+        assert needle.replace("{root}", str(tmp_path)) in lines[0], (needle, lines[0])
+    assert snapshot(tmp_path) == before
 
 
 def test_export_of_a_truncated_checkpoint_file(tmp_path, in_process, capsys):
@@ -1006,8 +1244,8 @@ def test_export_to_a_full_disk(tmp_path, in_process, capsys, monkeypatch):
     assert _train(CKPT + ["--training.steps", "1"], dump, capsys)[0] == 0
     before = snapshot(dump)
 
-    def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full_disk(*args, **kwargs):  # safetensors' own words for a full disk: not an OSError
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "ex"

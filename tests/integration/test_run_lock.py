@@ -162,13 +162,18 @@ def test_a_failed_check_gives_the_folder_back(tmp_path):
 
 
 def test_a_run_whose_export_folder_holds_other_files_stops_before_writing(tmp_path, in_process, capsys):
-    """checkpoint.export_at_end would replace <dump>/export: refused at start, not after training."""
+    """checkpoint.export_at_end would replace <dump>/export: refused at start, not after training
+    (here a run resumed from its checkpoint, whose export folder someone filled with notes)."""
     dump = tmp_path / "run"
-    (dump / "export").mkdir(parents=True)
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false", "--job.dump_folder", str(dump)]
+    assert main([*ARGS, *ckpt, "--training.steps", "1"]) == 0
+    (dump / "export").mkdir()
     (dump / "export" / "notes.txt").write_text("mine")
-    code = main([*ARGS, "--checkpoint.export_at_end", "true", "--training.steps", "2", "--job.dump_folder", str(dump)])
+    before = {str(p.relative_to(dump)): p.read_bytes() for p in dump.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    code = main([*ARGS, *ckpt, "--checkpoint.export_at_end", "true", "--training.steps", "2"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     expected = f"error: checkpoint.export_at_end: {dump / 'export'} holds notes.txt, not an export"
     assert lines[0].startswith(expected), lines
-    assert sorted(str(p.relative_to(dump)) for p in dump.rglob("*")) == ["export", "export/notes.txt"]
+    assert {str(p.relative_to(dump)): p.read_bytes() for p in dump.rglob("*") if p.is_file()} == before

@@ -26,7 +26,7 @@ import torch
 from spider_titan.checkpoint.export import load_export_tensors, read_export_config
 from spider_titan.train import main
 from tests.integration.test_hostile import MOCK, SPIDER, snapshot
-from tests.utils import REPO, check_ok, read_metrics
+from tests.utils import REPO, check_ok, read_metrics, shown_python
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -225,7 +225,7 @@ def test_sigterm_to_one_rank_during_validation_stops_both_at_the_same_batch(tmp_
 # The real trainer, with a safetensors writer that writes its file and then hangs: the test's
 # signal lands inside the export writer, its temporary folder half done.
 SLOW_EXPORT_TRAINER = """
-import sys, time
+import os, sys, time
 import safetensors.torch
 from spider_titan import train
 
@@ -234,7 +234,7 @@ real_save_file = safetensors.torch.save_file
 def save_file(*args, **kwargs):
     real_save_file(*args, **kwargs)
     print("EXPORT WRITING", flush=True)
-    time.sleep(600)
+    time.sleep(float(os.environ.get("EXPORT_HANGS_S", "600")))
 
 safetensors.torch.save_file = save_file
 sys.exit(train.main())
@@ -278,6 +278,71 @@ def test_sigterm_during_the_final_export_exits_0_with_the_checkpoint_and_the_com
     done = subprocess.run(write, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     check_ok(done)
     assert read_export_config(dump / "export")["step"] == 4
+
+
+def test_sigterm_during_the_export_without_checkpoints_finishes_it(tmp_path):
+    """Checkpoints off (make train's config): the export is all the run keeps, so a SIGTERM inside it
+    lets it finish (here it takes 3 s more), and the run ends with 0 and a loadable export."""
+    dump = tmp_path / "run"
+    cmd = (
+        SPIDER + MOCK + ["--checkpoint.export_at_end", "true", "--training.steps", "2", "--job.dump_folder", str(dump)]
+    )
+    with Run(cmd, prefix=["-c", SLOW_EXPORT_TRAINER], env={"EXPORT_HANGS_S": "3"}) as run:
+        run.wait_for("EXPORT WRITING")
+        run.signal()
+        code = run.finish()
+    assert code == 0, run.stdout[-3000:] + run.stderr
+    assert "SIGTERM received during the end-of-run export: the export was finished first" in run.stdout
+    assert read_export_config(dump / "export")["step"] == 2 and load_export_tensors(dump / "export")
+    assert sorted(p.name for p in dump.iterdir() if "export" in p.name) == ["export"]
+    assert "Traceback" not in run.stderr, run.stderr
+
+
+def test_sigterm_mid_run_without_checkpoints_exports_the_weights(tmp_path):
+    """Checkpoints off: a stop mid-run exports the weights of the step it stopped at (exit 143)."""
+    dump = tmp_path / "run"
+    cmd = SPIDER + MOCK + ["--checkpoint.export_at_end", "true", "--training.steps", "100000"]
+    with Run(cmd + ["--job.dump_folder", str(dump)]) as run:
+        run.wait_for(logged(3, 100000))
+        run.signal()
+        code = run.finish()
+    assert code == 128 + signal.SIGTERM, run.stdout[-3000:] + run.stderr
+    stopped = max(row["step"] for row in read_metrics(dump))
+    assert f"stopped at step {stopped}; its weights are exported to {dump / 'export'}" in run.stdout
+    assert read_export_config(dump / "export")["step"] == stopped
+    assert stderr_lines(run) == [], run.stderr
+
+
+# The real trainer, whose last act (collecting the model's reference cycles) hangs until a signal.
+SLOW_CLOSE_TRAINER = """
+import sys, time, types
+from spider_titan import train
+
+def collect():
+    print("COLLECTING", flush=True)
+    time.sleep(600)
+
+train.gc = types.SimpleNamespace(collect=collect)
+sys.exit(train.main())
+"""
+
+
+def test_ctrl_c_while_closing_is_one_line(tmp_path):
+    """A stop (Ctrl-C), then a second Ctrl-C while the process closes: one line, exit 130, no
+    KeyboardInterrupt traceback; the first stop's checkpoint is complete."""
+    dump = tmp_path / "run"
+    cmd = SPIDER + MOCK + CKPT + ["--training.steps", "100000", "--job.dump_folder", str(dump)]
+    with Run(cmd, prefix=["-c", SLOW_CLOSE_TRAINER]) as run:
+        run.wait_for(logged(2, 100000))
+        run.signal(signal.SIGINT)
+        run.wait_for("COLLECTING")
+        run.signal(signal.SIGINT)
+        code = run.finish()
+    assert code == 128 + signal.SIGINT, run.stdout[-3000:] + run.stderr
+    assert stderr_lines(run) == ["SIGINT received while closing the run: stopped at once; what it saved is complete"]
+    stopped = max(row["step"] for row in read_metrics(dump))
+    assert (dump / "checkpoint" / f"step-{stopped}" / ".metadata").is_file()
+    assert f"resume with: {shown_python()} -m spider_titan.train " in run.stdout, run.stdout[-2000:]
 
 
 # The real trainer with a save that writes half a shard and hangs, from its second save on: the

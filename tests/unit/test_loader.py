@@ -196,6 +196,19 @@ def test_bytes_dataset_without_val_shards_is_a_one_line_error(tmp_path):
     assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
 
 
+def test_bytes_dataset_on_a_text_file_says_it_is_a_file_and_text_reads_it(tmp_path):
+    corpus = tmp_path / "notes.md"
+    corpus.write_text("plain prose. " * 400)
+    for split in ("train", "val"):
+        with pytest.raises(FileNotFoundError) as info:
+            build_bytes_dataset(str(corpus), split=split, seed=0)
+        message = str(info.value)
+        assert "\n" not in message and "does not exist" not in message
+        assert f"{corpus} is a file, not a folder of *.bin token shards" in message and "prepare_data.py" in message
+    # the text dataset takes the same file as it is
+    assert build_text_dataset(str(corpus), split="train", seed=0).num_tokens > 0
+
+
 def test_text_dataset_splits_documents(tmp_path):
     docs = [f"document number {i} " * (i + 1) for i in range(45)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

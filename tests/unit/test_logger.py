@@ -74,3 +74,21 @@ def test_shell_command_names_paths_that_work_from_here(tmp_path, monkeypatch):
     )
     assert shell_command(outside, "--prompt", "def ") == "'/opt/other env/bin/python' --prompt 'def '"
     assert shlex.split(shell_command(Path(sys.executable), "-c", "pass"))[0] == sys.executable
+
+
+def test_jsonl_logger_writes_nothing_until_its_first_row_and_never_glues_to_a_cut_row(tmp_path):
+    """No file until the first row (a start refused before logging leaves none); appended to a file
+    whose last row a crash cut short, the new row starts a line of its own."""
+    from spider_titan.metrics.logger import JsonlLogger
+
+    path = tmp_path / "metrics.jsonl"
+    logger = JsonlLogger(path)
+    assert not path.exists()
+    logger.log(1, {"loss": 2.0})
+    logger.close()
+    with path.open("a") as f:
+        f.write('{"step": 2, "lo')  # the crash
+    again = JsonlLogger(path)
+    again.log(2, {"loss": 1.5})
+    again.close()
+    assert path.read_text().splitlines() == ['{"step": 1, "loss": 2.0}', '{"step": 2, "lo', '{"step": 2, "loss": 1.5}']
