@@ -49,57 +49,14 @@ class Run:
 
 
 STAGE_LR = ("--optimizer.lr_multipliers", '["*=2", "core=1"]')
-# H-Net's chunking path, element by element: name -> (overrides, what)
-HNET = {
-    "confidence": (("--model.boundary_confidence", "true"), "confidence-weighted STE (LM gradient to the router)"),
-    "smoothing": (("--model.dechunk_smoothing", "true"), "EMA smoothing in the dechunk"),
-    "first": (("--model.chunk_convention", "first"), "chunk convention: first byte, own-chunk upsample"),
-    "ratio003": (
-        ("--model.boundary_coeff", "0.03", "--model.boundary_band", "0"),
-        "ratio-loss weight 0.03, no dead zone",
-    ),
-    "stage_init": (("--model.stage_init", "true"), "stage-aware init"),
-    "stage_lr": (STAGE_LR, "per-stage learning rates: byte stages 2x"),
-}
-
-
-def hnet_without(*names: str) -> tuple[str, ...]:
-    """The overrides of H-Net's chunking path, less the elements named."""
-    return tuple(o for name, (overrides, _) in HNET.items() if name not in names for o in overrides)
-
-
-HNET_ALL = hnet_without()
-# Elements the shipped defaults already have (chosen by measurement, docs/experiments.md): the overrides that
-# take each one out, for its "alone" row (the shipped model without it) and its "all but one" row
-HNET_SHIPPED = {
-    "confidence": ("--model.boundary_confidence", "false"),
-    "smoothing": ("--model.dechunk_smoothing", "false"),
-    "first": ("--model.chunk_convention", "mean"),
-    "stage_init": ("--model.stage_init", "false"),
-}
-# Fixed segments as measured since 2026-11-23: the mean convention (a chunk the mean of its bytes, byte t reads the
-# chunk before its own), which beats H-Net's chunk-start convention with fixed segments (docs/experiments.md), and
-# no confidence factor or smoothing (with no predictor they change nothing but the counted FLOPs)
-FIXED = (
-    "--model.boundary_predictor",
-    "fixed",
-    "--model.chunk_convention",
-    "mean",
-    "--model.boundary_confidence",
-    "false",
-    "--model.dechunk_smoothing",
-    "false",
-)
-# The shipped dead zone of the ratio loss taken out (the ratio loss pulling to the target from any rate)
+# Fixed segments: a boundary every target_bytes_per_segment bytes and the mean convention (a chunk the mean
+# of its bytes, byte t reads the chunk before its own), which beats the chunk-start convention there
+FIXED = ("--model.boundary_predictor", "fixed", "--model.chunk_convention", "mean")
+# The ratio loss's dead zone taken out (the loss pulling to the target from any rate)
 NO_BAND = ("--model.boundary_band", "0")
-# The dead zone's pull alike on both edges, as before the firm lower edge became the default (2026-11-26, fifth
-# session: weight 1.0 below the band, 0.3 above it)
+# The dead zone's pull alike on both edges (the shipped model pulls rows above the band 0.3 as hard)
 BOTH_EDGES = ("--model.boundary_band_upper", "1.0")
-# The ratio-loss weight 1.0 on both edges, the default before 0.3 (2026-11-26): rows measured under it pin it
-WEIGHT_1 = ("--model.boundary_coeff", "1.0", *BOTH_EDGES)
-# The model before H-Net's path became the default (2026-11-26): stage-aware init, mean chunks, no
-# confidence factor or smoothing, the plain ratio loss at weight 1.0
-PRE_PATH = tuple(o for name in ("confidence", "smoothing", "first") for o in HNET_SHIPPED[name]) + NO_BAND + WEIGHT_1
+# Geiping et al.'s recipe: loops sampled per step, backprop through the last loop, a random initial state
 SAMPLED_LOOPS = (
     "--model.loop_sampling",
     "poisson_lognormal",
@@ -110,16 +67,7 @@ SAMPLED_LOOPS = (
     "--model.loop_init_std",
     "0.5",
 )
-# ... and no loop embedding: every loop the same map (time-invariant), as in Geiping et al.
-INVARIANT_LOOPS = (*SAMPLED_LOOPS, "--model.loop_embedding", "false")
-# The core state RMS-normalised after every loop
-STATE_NORM = ("--model.loop_state_norm", "true")
-NORMED_LOOPS = (*INVARIANT_LOOPS, *STATE_NORM)
-# ... with backprop through every loop (the last override wins)
-NORMED_LOOPS_FULL = (*NORMED_LOOPS, "--model.backprop_loops", "0")
-
-# Sampled, time-invariant loops with backprop through every loop and h_0 = 0 (no truncation, no noise):
-# the model is trained at every count it is sampled at, up to max_loops (= 2x the mean)
+# Sampled, time-invariant loops (no per-loop LoRA or loop embedding) with backprop through every loop, h_0 = 0
 INVARIANT_FULL = (
     "--model.loop_sampling",
     "poisson_lognormal",
@@ -128,18 +76,12 @@ INVARIANT_FULL = (
     "--model.loop_embedding",
     "false",
 )
-
-# A tenth of the steps at 2x the mean (and a fifth at one loop, mean n_loops), the deep steps backpropagating
+# A tenth of the steps at 2x the mean loops (and some at one loop, mean n_loops), the deep steps backpropagating
 # through their last n_loops loops, and a learned step size per loop
-TAIL_STEPS = (
-    "--model.loop_sampling",
-    "tail",
-    "--model.backprop_loops",
-    "2",
-    "--model.loop_step_size",
-    "true",
-)
+TAIL_STEPS = ("--model.loop_sampling", "tail", "--model.backprop_loops", "2", "--model.loop_step_size", "true")
 
+# Rows of options that have left the model (the MLP predictor, ACT, the hinge loss, H-Net's path element by
+# element, ...) are in docs/experiments.md with the commit that ran them (e0e7ffe and before).
 RUNS = [
     Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
     Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
@@ -149,15 +91,25 @@ RUNS = [
         FIXED,
         "segments of exactly target_bytes_per_segment bytes (no learned boundaries), mean chunks",
     ),
+    Run(
+        "spider_fixed_stage_lr",
+        SPIDER_CONFIG,
+        (*FIXED, *STAGE_LR),
+        "fixed 4-byte segments with H-Net's per-stage learning rates (byte stages 2x)",
+    ),
+    Run("spider_stage_lr", SPIDER_CONFIG, STAGE_LR, "shipped defaults with H-Net's per-stage learning rates"),
+    Run("spider_no_first", SPIDER_CONFIG, ("--model.chunk_convention", "mean"), "learned segments, mean chunks"),
+    Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
+    Run("spider_both_edges", SPIDER_CONFIG, BOTH_EDGES, "the dead zone's pull alike on both edges of the band"),
+    Run(
+        "spider_full_width_predictor",
+        SPIDER_CONFIG,
+        ("--model.boundary_dim", "0"),
+        "the boundary predictor's q/k projections at the model width (H-Net's square routing module)",
+    ),
     Run("spider_no_engram", SPIDER_CONFIG, ("--model.engram_layers", "[]"), "no Engram memory"),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
-    Run(
-        "spider_state_norm",
-        SPIDER_CONFIG,
-        STATE_NORM,
-        "shipped defaults with the core state RMS-normalised after every loop (fixed depth, per-loop LoRA kept)",
-    ),
     Run(
         "spider_tail_steps",
         SPIDER_CONFIG,
@@ -171,198 +123,11 @@ RUNS = [
         "Geiping et al.'s recipe: loops sampled per step (Poisson-lognormal, mean n_loops), backprop through "
         "the last loop, random initial state, no per-loop LoRA",
     ),
-    Run("spider_byte_dim64", SPIDER_CONFIG, ("--model.byte_dim", "64"), "byte-level parts at width 64, core at 128"),
     Run(
-        "spider_byte_dim64_no_mlp",
+        "spider_invariant_full",
         SPIDER_CONFIG,
-        ("--model.byte_dim", "64", "--model.byte_mlp", "false"),
-        "byte-level parts at width 64 without MLPs (the FLOPs go to the core)",
-    ),
-    Run(
-        "spider_old",
-        SPIDER_CONFIG,
-        (
-            "--model.boundary_predictor",
-            "mlp",
-            "--model.boundary_loss",
-            "hinge",
-            "--model.boundary_noise",
-            "gumbel",
-            "--model.boundary_standardize",
-            "false",
-            "--model.boundary_ste",
-            "true",
-            "--model.halting",
-            "act",
-            "--model.stage_init",
-            "false",
-            *PRE_PATH,
-        ),
-        "pre-2026-11-23 behaviour: MLP predictor, hinge loss, Gumbel in training, ACT",
-    ),
-    Run(
-        "spider_fixed_stage_lr",
-        SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR),
-        "fixed 4-byte segments with H-Net's per-stage learning rates (the baseline for spider_hnet_all)",
-    ),
-    # H-Net's chunking path (issue 21): each element alone on the model before the path (stage-aware init
-    # alone: that model without it), the shipped model without each, all together, all but one
-    Run(
-        "spider_pre_path",
-        SPIDER_CONFIG,
-        PRE_PATH,
-        "the model before H-Net's path was the default: stage-aware init, mean chunks, plain ratio loss",
-    ),
-    *(
-        Run(f"spider_hnet_{name}", SPIDER_CONFIG, PRE_PATH + overrides, f"H-Net {what} alone (on spider_pre_path)")
-        for name, (overrides, what) in HNET.items()
-        if name != "stage_init"
-    ),
-    Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
-    # The dead zone's pull outside the band at weights below 1.0 on both edges (0.3: the default from 2026-11-26
-    # until the firm lower edge), and a narrower band
-    *(
-        Run(
-            f"spider_band{band_name}_ratio{name}",
-            SPIDER_CONFIG,
-            ("--model.boundary_coeff", weight, *BOTH_EDGES, *(("--model.boundary_band", band) if band else ())),
-            f"shipped defaults with ratio-loss weight {weight} on both edges of the band (the dead zone's pull "
-            "outside it)" + (f", band +- {band}" if band else ""),
-        )
-        for band_name, band, name, weight in (
-            ("", "", "01", "0.1"),
-            ("", "", "03", "0.3"),
-            ("015", "0.15", "03", "0.3"),
-        )
-    ),
-    # spider_band_upper03 (weight 1.0 below the band, 0.3 above it) is the spider row since 2026-11-26 (fifth session)
-    Run(
-        "spider_band_inner003",
-        SPIDER_CONFIG,
-        ("--model.boundary_band_inner", "0.03", *WEIGHT_1),
-        "the dead zone at weight 1.0 plus H-Net's ratio loss at weight 0.03 at every rate: a weak pull inside "
-        "the band, its edge a wall",
-    ),
-    Run(
-        "spider_boundary_dim32",
-        SPIDER_CONFIG,
-        ("--model.boundary_dim", "32"),
-        "the boundary predictor's q/k projections at width 32 instead of the byte width (a quarter of debug's, "
-        "an eighth of small's); the debug and small flavors' own since 2026-11-26, so there the spider row",
-    ),
-    Run(
-        "spider_full_width_predictor",
-        SPIDER_CONFIG,
-        ("--model.boundary_dim", "0"),
-        "the boundary predictor's q/k projections at the byte width (H-Net's square routing module; debug and "
-        "small before 2026-11-26)",
-    ),
-    Run(
-        "spider_boundary_loss_predictor_only",
-        SPIDER_CONFIG,
-        ("--model.boundary_prelude_grad", "false", *WEIGHT_1),
-        "the dead zone at weight 1.0 with the boundary loss training the predictor only (no gradient from it into "
-        "the prelude)",
-    ),
-    *(
-        Run(f"spider_no_{name}", SPIDER_CONFIG, HNET_SHIPPED[name], f"shipped defaults without H-Net's {what}")
-        for name, (_, what) in HNET.items()
-        if name in HNET_SHIPPED
-    ),
-    Run("spider_hnet_all", SPIDER_CONFIG, HNET_ALL, "H-Net's whole chunking path"),
-    *(
-        Run(
-            f"spider_hnet_all_minus_{name}",
-            SPIDER_CONFIG,
-            hnet_without(name) + HNET_SHIPPED.get(name, ()),
-            f"H-Net's chunking path without: {what}",
-        )
-        for name, (_, what) in HNET.items()
-    ),
-    # H-Net's path without the per-stage learning rates (spider_hnet_all_minus_stage_lr) at other ratio-loss
-    # weights: with 0.03 its segments drifted to 2.5 bytes on prose at debug (docs/experiments.md)
-    *(
-        Run(
-            f"spider_hnet_path_ratio{name}",
-            SPIDER_CONFIG,
-            hnet_without("stage_lr", "ratio003") + ("--model.boundary_coeff", weight) + NO_BAND,
-            f"H-Net's chunking path without the per-stage learning rates, ratio-loss weight {weight}",
-        )
-        for name, weight in (("01", "0.1"), ("03", "0.3"), ("1", "1.0"))
-    ),
-    Run(
-        "spider_hnet_path_band",
-        SPIDER_CONFIG,
-        hnet_without("stage_lr", "ratio003") + ("--model.boundary_band", "0.2", *WEIGHT_1),
-        "H-Net's chunking path without the per-stage learning rates, ratio loss (weight 1.0) with a dead zone: "
-        "no pull within 4 +- 20 % bytes per segment (the defaults of 2026-11-26 before weight 0.3)",
-    ),
-    Run(
-        "spider_hnet_all_sampled",
-        SPIDER_CONFIG,
-        HNET_ALL + SAMPLED_LOOPS,
-        "H-Net's whole chunking path with Geiping et al.'s sampled loops (spider_hnet_all + spider_sampled_loops)",
-    ),
-    Run(
-        "spider_fixed_stage_lr_invariant_loops",
-        SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR, *INVARIANT_LOOPS),
-        "spider_fixed_stage_lr with sampled, time-invariant loops (no per-loop LoRA or loop embedding)",
-    ),
-    Run(
-        "spider_hnet_all_invariant_loops",
-        SPIDER_CONFIG,
-        HNET_ALL + INVARIANT_LOOPS,
-        "spider_hnet_all with sampled, time-invariant loops (no per-loop LoRA or loop embedding)",
-    ),
-    Run(
-        "spider_fixed_stage_lr_normed_loops",
-        SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR, *NORMED_LOOPS),
-        "spider_fixed_stage_lr_invariant_loops with the state RMS-normalised after every loop",
-    ),
-    Run(
-        "spider_hnet_all_normed_loops",
-        SPIDER_CONFIG,
-        HNET_ALL + NORMED_LOOPS,
-        "spider_hnet_all_invariant_loops with the state RMS-normalised after every loop",
-    ),
-    Run(
-        "spider_fixed_stage_lr_normed_loops_full",
-        SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR, *NORMED_LOOPS_FULL),
-        "spider_fixed_stage_lr_normed_loops with backprop through every loop",
-    ),
-    Run(
-        "spider_hnet_all_normed_loops_full",
-        SPIDER_CONFIG,
-        HNET_ALL + NORMED_LOOPS_FULL,
-        "spider_hnet_all_normed_loops with backprop through every loop",
-    ),
-    Run(
-        "spider_fixed_stage_lr_invariant_full",
-        SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR, *INVARIANT_FULL),
-        "spider_fixed_stage_lr with sampled, time-invariant loops, full backprop, h_0 = 0",
-    ),
-    Run(
-        "spider_fixed_stage_lr_invariant_full_normed",
-        SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR, *INVARIANT_FULL, *STATE_NORM),
-        "spider_fixed_stage_lr_invariant_full with the state RMS-normalised after every loop",
-    ),
-    Run(
-        "spider_hnet_all_invariant_full",
-        SPIDER_CONFIG,
-        HNET_ALL + INVARIANT_FULL,
-        "spider_hnet_all with sampled, time-invariant loops, full backprop, h_0 = 0",
-    ),
-    Run(
-        "spider_space_segments",
-        SPIDER_CONFIG,
-        ("--model.boundary_predictor", "space"),
-        "SpaceByte rule: a segment ends after each word",
+        INVARIANT_FULL,
+        "sampled, time-invariant loops (no per-loop LoRA or loop embedding), full backprop, h_0 = 0",
     ),
 ]
 

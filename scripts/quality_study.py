@@ -23,12 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.quality_benchmark import RUNS, load_result, summarise  # noqa: E402
+from quality_benchmark import RUNS, load_result, summarise
 
 ORDER = [r.name for r in RUNS]
-MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_hnet_all")
+MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_stage_lr")
 
 
 @dataclass

@@ -3,10 +3,10 @@
 Each parallel CLI run is compared with a 1-process run that holds the whole global batch (4
 samples) in one micro-batch: the MoE balance statistics are sums over the data-parallel ranks
 (global-batch load balancing, moe/layer.py), so the ranks together compute what one process
-computes on the global batch; the boundary loss is a mean over rows and the ponder loss is 0
-here (no ACT), so they match as they stand. The boundary predictor's Gumbel noise is keyed by each
-sample's global index (``sample_ids``), so a sample is segmented the same way on any rank and in
-any micro-batch: the learned segmentation runs for real in every layout.
+computes on the global batch; the boundary loss is a mean over rows, so it matches as it stands.
+The boundary rule draws no noise (a pure function of the bytes and the weights), so a sample is
+segmented the same way on any rank and in any micro-batch: the learned segmentation runs for real
+in every layout.
 
 AdamW hardly notices a gradient off by a constant factor, so the losses alone would not catch a
 wrong gradient scale (e.g. expert gradients divided by the efsdp size instead of the dp degree):
@@ -139,7 +139,7 @@ def assert_same_training(ref: Path, got: Path, rel: float = 1e-4) -> None:
     a, b = steps(ref), steps(got)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     for step in a:
-        for key in ("loss", "grad_norm", "moe_aux_loss", "ponder_loss"):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
             assert b[step][key] == pytest.approx(a[step][key], rel=rel), (step, key, a[step][key], b[step][key])
     assert a[5]["loss"] < a[1]["loss"]  # the losses must move, or equality would prove nothing
 

@@ -9,8 +9,6 @@ these runs train it too (learned boundaries, ratio loss), so they check that as 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -170,71 +168,3 @@ def test_moe_aux_loss_gradient_over_two_ranks_equals_one_process(tmp_path):
     # without the sum, each rank's aux loss is its own micro-batch's: a different loss
     _, halves = zip(*(moe(x[r::2], token_mask=mask[r::2]) for r in range(2)))
     assert abs(float(sum(h.aux_loss.detach() for h in halves) / 2 - stats.aux_loss.detach())) > 1e-4
-
-
-# ------------------------------------------------------------- the gradient, ACT's ponder loss
-
-
-def _act_core_and_batch():
-    from spider_titan.models.spider import SPIDER_FLAVORS
-    from spider_titan.models.spider.recurrence import RecurrentCore
-
-    torch.manual_seed(0)
-    args = dataclasses.replace(SPIDER_FLAVORS["debug"], dim=16, n_heads=2, halting="act", n_loops=3, engram_layers=[])
-    core = RecurrentCore(args)
-    core.init_weights(0.02, 0.02)
-    s = torch.randn(4, 5, 16)
-    seg_real = torch.ones(4, 5, dtype=torch.bool)
-    seg_real[1, 2:] = False  # rank 1 (rows 1, 3) holds 6 real segments, rank 0 (rows 0, 2) 10
-    seg_real[3, 3:] = False
-    return core, s, seg_real
-
-
-def _ponder(core, s, seg_real):
-    from spider_titan.models.common import rope_frequencies
-
-    core.train()
-    freqs = rope_frequencies(core.args.qk_rope_head_dim, s.shape[1], core.args.rope_theta)
-    bucket_ids = torch.zeros(*s.shape[:2], 2, dtype=torch.int64)
-    out = core(
-        s, n_loops=3, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real, seg_valid=seg_real, early_exit=False
-    )
-    return out.ponder_loss
-
-
-def _act_worker(rank: int, world_size: int, store: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from spider_titan.parallel.parallelize import apply_global_batch_statistics
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        core, s, seg_real = _act_core_and_batch()
-        apply_global_batch_statistics(core, dist.group.WORLD)
-        ponder = _ponder(core, s[rank::world_size], seg_real[rank::world_size])
-        ponder.backward()
-        grad = core.halt_predictor.weight.grad.clone()
-        dist.all_reduce(grad)
-        grad /= world_size  # FSDP's gradient average
-        if rank == 0:
-            torch.save({"ponder": ponder.detach(), "grad": grad}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_act_ponder_loss_over_two_ranks_equals_one_process(tmp_path):
-    """ACT's ponder loss is a mean over the global micro-batch's real segments: two ranks holding
-    unequal numbers of real segments give the single-process loss and halting gradient."""
-    out = tmp_path / "rank0.pt"
-    torch.multiprocessing.spawn(_act_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
-    got = torch.load(out)
-    core, s, seg_real = _act_core_and_batch()
-    ponder = _ponder(core, s, seg_real)
-    ponder.backward()
-    torch.testing.assert_close(got["ponder"], ponder.detach(), rtol=1e-6, atol=0)
-    torch.testing.assert_close(got["grad"], core.halt_predictor.weight.grad, rtol=1e-5, atol=1e-8)
-    # without the sum each rank averages over its own segments: a different loss
-    core.reduce_stats = None
-    halves = [_ponder(core, s[r::2], seg_real[r::2]).detach() for r in range(2)]
-    assert abs(float(sum(halves) / 2 - ponder.detach())) > 1e-4

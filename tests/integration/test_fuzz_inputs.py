@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from spider_titan.components import registry
+from spider_titan import registry
 from spider_titan.config.parse import sections
 from spider_titan.data.shards import HEADER_MAGIC, HEADER_VERSION, HEADER_WORDS, write_shard
 from spider_titan.data.tokenizer import encode
@@ -159,7 +159,6 @@ description = "fuzz"
 name = "spider"
 flavor = "debug"
 n_loops = 2
-halting = "none"
 
 [training]
 dataset = "mock"
@@ -306,7 +305,7 @@ def _snapshot(roots: list[Path], skip: Path) -> dict[str, tuple[int, int]]:
             dirnames[:] = [
                 d
                 for d in dirnames
-                if d not in (".git", "__pycache__", ".pytest_cache", ".ruff_cache") and Path(dirpath, d) != skip
+                if d not in (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache") and Path(dirpath, d) != skip
             ]
             for name in filenames:
                 st = os.stat(os.path.join(dirpath, name))

@@ -10,9 +10,9 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from spider_titan.components import registry
-from spider_titan.config.job_config import Calibration
+from spider_titan import registry
 from spider_titan.data.loader import ByteDataLoader
+from spider_titan.job_config import Calibration
 from spider_titan.models.spider.calibration import GAINS, calibrate_extra_loops
 from spider_titan.models.spider.model import SPIDER_SPEC
 from spider_titan.protocol import window_cross_entropy
@@ -21,14 +21,15 @@ from tests.unit.test_spider_model import build, sample_ids
 
 def test_extra_loop_gains_apply_at_eval_past_n_loops_only():
     """Gain 0 on loops 3 and 4 makes eval at 4 loops the 2-loop model bit for bit; gain 1 is the plain
-    loop (the model without the buffer, same weights); a half gain lands in between; the trained
-    loops and the training forward ignore the gains."""
+    loop (the same weights trained at 4 loops, where loops 3 and 4 are trained ones and no gain
+    applies); a half gain lands in between; the trained loops and the training forward ignore the gains."""
     model = build().eval()
     x = sample_ids(1)
     gains = model.core.extra_loop_gain
     assert gains.tolist() == [1.0, 1.0, 1.0, 1.0]  # init: every loop as trained
-    plain = build(extra_loop_gains=False).eval()
-    plain.load_state_dict({k: v for k, v in model.state_dict().items() if k != "core.extra_loop_gain"})
+    plain = build(n_loops=4).eval()
+    plain.load_state_dict(model.state_dict())
+    plain.core.extra_loop_gain.zero_()  # would change loops 3 and 4 if it applied to them
     with torch.no_grad():
         at2, at4 = model(x, n_loops=2).logits, model(x, n_loops=4).logits
         torch.testing.assert_close(at4, plain(x, n_loops=4).logits, rtol=1e-5, atol=1e-5)
@@ -94,12 +95,11 @@ def test_calibration_keeps_a_loop_that_helps_and_leaves_out_the_others():
     assert figures["calib_diff_bpb_4"] > 0  # the best gain of loop 4 was still worse than leaving it out
 
 
-def test_calibration_skips_act_and_models_without_gains():
+def test_calibration_skips_models_without_extra_loops():
     score = lambda kwargs: pytest.fail("nothing to score")  # noqa: E731
-    act = build(halting="act")
-    assert calibrate_extra_loops(act, act.args, score) == {}
-    none = build(extra_loop_gains=False)
+    none = build(n_loops=4, max_loops=4)
     assert calibrate_extra_loops(none, none.args, score) == {}
+    assert none.core.extra_loop_gain.tolist() == [1.0, 1.0, 1.0, 1.0]
 
 
 class _Stop:

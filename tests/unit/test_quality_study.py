@@ -3,11 +3,21 @@ and the paired loops difference comes from the run's eval_loops.json."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from pathlib import Path
 
 import pytest
 
-from scripts.quality_study import main
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture
+def main(monkeypatch):
+    """quality_study.main, imported as ``python scripts/quality_study.py`` runs it: with scripts/ heading
+    sys.path, where it finds its sibling quality_benchmark.py."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    return importlib.import_module("quality_study").main
 
 
 def fake_run(folder, name, *, flops, bpb, paired=None):
@@ -25,7 +35,7 @@ def fake_run(folder, name, *, flops, bpb, paired=None):
         (dump / "eval_loops.json").write_text(json.dumps(loops))
 
 
-def test_seeds_averaged_short_runs_left_out(tmp_path, capsys):
+def test_seeds_averaged_short_runs_left_out(main, tmp_path, capsys):
     s0, s1 = tmp_path / "s0", tmp_path / "s1"
     fake_run(s0, "spider", flops=1.05e13, bpb=2.0, paired=(0.0012, 0.0002))
     fake_run(s1, "spider", flops=1.02e13, bpb=2.2, paired=(-0.0003, 0.0001))
@@ -43,6 +53,21 @@ def test_seeds_averaged_short_runs_left_out(tmp_path, capsys):
     assert "bytes/segment train 4.10-4.10, eval 3.90-3.90" in md
 
 
-def test_bad_cell_spec_is_one_line():
+def test_bad_cell_spec_is_one_line(main):
     with pytest.raises(SystemExit, match="expected SCALE/CORPUS:BUDGET"):
         main(["--cell", "debug:1e13"])
+
+
+def test_every_benchmark_row_is_a_valid_config(monkeypatch):
+    """Each row of quality_benchmark.RUNS parses and validates as the trainer would read it (a row
+    naming an option the model no longer has would fail only hours into a study)."""
+    from spider_titan.config.manager import parse_args
+    from tests.utils import REPO
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.chdir(REPO)
+    runs = importlib.import_module("quality_benchmark").RUNS
+    assert len({r.name for r in runs}) == len(runs)
+    for run in runs:
+        cfg = parse_args(["--job.config_file", run.config, *run.overrides])
+        assert cfg.model.name in ("spider", "dense"), run.name

@@ -69,35 +69,25 @@ def reference_core(core, s, freqs, bucket_ids, seg_real, n_loops: int, k: int) -
             h, block_aux, _ = block(h, loop, freqs, bucket_ids, seg_real)
             if i >= n_loops - k:
                 aux.append(block_aux)
-        if core.state_norm is not None:
-            h = core.state_norm(h)
     return core.norm(h), torch.stack(aux).mean()
 
 
-@pytest.mark.parametrize("state_norm", [False, True])
-def test_time_invariant_loops_iterate_one_map(state_norm):
+def test_time_invariant_loops_iterate_one_map():
     """loop_embedding = false with loop_lora = false: no loop-specific parameter exists and the core
-    at 5 loops is the hand reference without loop embeddings (the same map each loop, the state
-    RMS-normalised at each loop's end with ``loop_state_norm``); with a (non-zero) loop embedding it
-    differs (negative control)."""
-    model = build(n_loops=2, max_loops=5, loop_embedding=False, loop_lora=False, loop_state_norm=state_norm).eval()
-    if state_norm:  # a non-trivial norm weight, so leaving the norm out would show
-        torch.nn.init.uniform_(model.core.state_norm.weight, 0.5, 1.5)
+    at 5 loops is the hand reference without loop embeddings (the same map each loop); with a
+    (non-zero) loop embedding it differs (negative control)."""
+    model = build(n_loops=2, max_loops=5, loop_embedding=False, loop_lora=False).eval()
     assert not [n for n, _ in model.named_parameters() if "loop_embedding" in n or "lora" in n]
     core = model.core
     s, freqs, bucket_ids, seg_real, _ = core_inputs(model)
     with torch.no_grad():
-        out = core(
-            s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real, seg_valid=seg_real, early_exit=False
-        )
+        out = core(s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real)
         want, _ = reference_core(core, s, freqs, bucket_ids, seg_real, 5, 5)
         torch.testing.assert_close(out.output, want, rtol=1e-5, atol=1e-6)
-        other = build(n_loops=2, max_loops=5, loop_lora=False, loop_state_norm=state_norm).eval()
+        other = build(n_loops=2, max_loops=5, loop_lora=False).eval()
         other.load_state_dict(model.state_dict(), strict=False)
         torch.nn.init.normal_(other.core.loop_embedding.weight, std=0.1)
-        control = other.core(
-            s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real, seg_valid=seg_real, early_exit=False
-        )
+        control = other.core(s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real)
     assert not torch.allclose(control.output, want, atol=1e-3)
 
 
@@ -125,8 +115,6 @@ def test_truncated_backprop_equals_a_detached_reference(k):
             freqs=freqs,
             bucket_ids=bucket_ids,
             seg_real=seg_real,
-            seg_valid=seg_real,
-            early_exit=False,
             backprop_loops=backprop_loops,
         )
         assert out.loops_run == 3 and out.backprop_loops == (backprop_loops or 3)
@@ -183,12 +171,19 @@ def test_training_forward_runs_the_sampled_count_and_counts_its_flops():
         assert model(ids, step=step).aux["loops_run"] == a.n_loops
 
 
+def all_problems(args) -> list[str]:
+    """Every problem of Spider args, as the config reports them (declared ranges, then the rules between fields)."""
+    from spider_titan.config.validate import model_args_problems
+    from spider_titan.models.spider.model import SPIDER_SPEC
+
+    return model_args_problems(SPIDER_SPEC, args)
+
+
 def test_bad_depth_args_are_reported():
     bad = dataclasses.replace(SPIDER_FLAVORS["debug"], backprop_loops=-1, loop_sampling="uniform")
-    problems = " ".join(bad.validate())
-    assert "backprop_loops: -1" in problems and "loop_sampling: 'uniform'" in problems
-    act = dataclasses.replace(SPIDER_FLAVORS["debug"], halting="act", backprop_loops=1)
-    assert any(p.startswith("halting: 'act'") for p in act.validate())
+    problems = " ".join(all_problems(bad))
+    assert "model.backprop_loops = -1 is not allowed" in problems, problems
+    assert "model.loop_sampling = 'uniform' is not one of" in problems, problems
 
 
 def test_random_initial_state_is_keyed_by_sample():
@@ -233,10 +228,11 @@ def test_tail_sampling_trains_the_deep_count_at_a_mean_of_n_loops():
         ({"n_loops": 1}, "loop_sampling: 'tail' needs n_loops >= 2"),
         ({"n_loops": 4, "max_loops": 4}, "loop_sampling: 'tail' needs n_loops >= 2"),
         ({"loop_tail": 0.4}, "loop_tail: 0.4 must be in (0, 0.3333]"),
-        ({"loop_tail": 0.0}, "loop_tail: 0.0 must be in"),
+        ({"loop_tail": 0.0}, "loop_tail = 0.0 is not allowed; use a finite number > 0"),  # its declared range
     ):
         bad = dataclasses.replace(SPIDER_FLAVORS["debug"], loop_sampling="tail", **overrides)
-        assert any(p.startswith(needle) for p in bad.validate()), (overrides, bad.validate())
+        problems = [p.removeprefix("model.") for p in all_problems(bad)]
+        assert any(p.startswith(needle) for p in problems), (overrides, problems)
 
 
 def test_loop_step_sizes_scale_each_loops_move():

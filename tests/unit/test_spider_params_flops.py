@@ -29,7 +29,7 @@ def test_1b_parameter_count():
     assert abs(parts["total"] - 996e6) <= 0.01 * 996e6
     assert parts["total"] == sum(p.numel() for p in model.parameters())
     # docs/model.md's breakdown: 4 dense blocks 193 M, 6 core blocks 706 M, two engrams 75 M, LoRA 5 M,
-    # rest 22 M (the H-Net cosine boundary predictor's two dim x dim projections, stage_init's residual_proj)
+    # rest 22 M (the H-Net cosine boundary predictor's two dim x dim projections, the residual_proj)
     for key, want in (("dense blocks", 193e6), ("core blocks", 706e6), ("engram", 75e6), ("lora", 5e6), ("rest", 22e6)):
         assert abs(parts[key] - want) < 1e6, key
 
@@ -103,66 +103,41 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
 
 
 @pytest.mark.parametrize(
-    "B, T, overrides, boundary",
+    "B, T, overrides, threshold",
     [
         (2, 256, {}, None),
         (1, 256, {"n_loops": 4}, None),
-        (
-            2,
-            128,
-            {
-                "boundary_predictor": "mlp",
-                "boundary_noise": "gumbel",
-                "boundary_standardize": False,
-                "boundary_ste": True,
-                "halting": "act",
-                "n_loops": 3,
-            },
-            None,
-        ),
-        (1, 128, {"boundary_predictor": "mlp", "boundary_standardize": False}, 20.0),
-        (1, 192, {"boundary_predictor": "mlp", "boundary_standardize": False}, -20.0),
-        (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": [], "stage_init": False}, None),
-        (
-            2,
-            256,
-            {"chunk_convention": "first", "boundary_confidence": True, "dechunk_smoothing": True, "stage_init": True},
-            None,
-        ),
-        (2, 256, {"boundary_predictor": "space"}, None),
+        (1, 128, {}, -1e3),
+        (1, 192, {}, 1e3),
+        (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
+        (2, 256, {"chunk_convention": "mean"}, None),
         (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
-        (2, 256, {"byte_dim": 64}, None),
-        (2, 128, {"byte_dim": 48, "byte_mlp": False, "boundary_predictor": "mlp", "boundary_ste": True}, None),
         (2, 256, {"boundary_dim": 0}, None),
     ],
     ids=[
         "default",
         "4_loops",
-        "old_act_gumbel",
         "every_byte",
         "forced_only",
         "fixed_no_lora_no_engram",
-        "hnet",
-        "space",
+        "mean_convention",
         "truncated",
-        "byte_dim",
-        "byte_dim_no_byte_mlp",
         "full_width_predictor",
     ],
 )
-def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):
+def test_flops_per_byte_matches_flop_counter(B, T, overrides, threshold):
     """aux["flops_per_byte"] of a training forward (the step's real segment count and loops) agrees
-    with FlopCounterMode over forward + backward within 5 %."""
+    with FlopCounterMode over forward + backward within 5 %. ``threshold``: the cosine predictor's,
+    so far off that every byte ends a segment (-1e3) or only the forced boundaries do (1e3)."""
     args = dataclasses.replace(SPIDER_FLAVORS["debug"], **overrides)
     with torch.device("meta"):
         model = Spider(args)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
-    if boundary is not None:  # a constant boundary logit, through the predictor's own matmuls
+    if threshold is not None:  # a constant boundary decision, through the predictor's own matmuls
         with torch.no_grad():
-            model.boundary_predictor.out.weight.zero_()
-            model.boundary_predictor.out.bias.fill_(boundary)
+            model.boundary_predictor.threshold.fill_(threshold)
     ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
     measured, aux = measured_train_flops(model, ids)
     predicted = aux["flops_per_byte"].item() * B * T
@@ -175,18 +150,17 @@ def test_flops_per_byte_matches_flop_counter(B, T, overrides, boundary):
 
 def test_boundary_dim_saving_matches_flop_counter():
     """The predictor is ~5 % of the FLOPs, inside the 5 % above: so the saving of a narrow predictor is
-    checked on its own. An mlp predictor with a constant logit segments alike at any width; the
-    difference of FlopCounterMode's totals between full width and boundary_dim 16 is the formula's
-    difference within 1 %."""
+    checked on its own. A cosine predictor whose threshold no score reaches places only the forced
+    boundaries, so it segments alike at any width; the difference of FlopCounterMode's totals between
+    full width and boundary_dim 16 is the formula's difference within 1 %."""
     totals = {}
     for width in (0, 16):
-        args = dataclasses.replace(SPIDER_FLAVORS["debug"], boundary_predictor="mlp", boundary_dim=width)
+        args = dataclasses.replace(SPIDER_FLAVORS["debug"], boundary_dim=width)
         torch.manual_seed(0)
         model = Spider(args)
         model.init_weights()
         with torch.no_grad():
-            model.boundary_predictor.out.weight.zero_()
-            model.boundary_predictor.out.bias.fill_(-20.0)
+            model.boundary_predictor.threshold.fill_(1e3)
         ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
         measured, aux = measured_train_flops(model, ids)
         totals[width] = measured, aux["flops_per_byte"].item() * ids.numel()

@@ -11,7 +11,7 @@ segment indices): the caller passes the rotation table. A core block may hand in
 deltas for the query and output projections; ``wq`` and ``wo`` stay plain ``nn.Linear`` so the
 float8 converter can swap them.
 
-Packed rows (``PackedRows``, the core under ``SpiderArgs.pack_segments``): x holds only the batch's
+Packed rows (``PackedRows``, how the core runs): x holds only the batch's
 real positions, one packed row (1, N, dim), and ``freqs`` one rotation per position (1, N, rope/2, 2).
 The projections run on the N positions; queries, keys and values are laid out as (B, S) rows for
 the causal attention (zeros in the padding, which sits after every real position of its row, so no

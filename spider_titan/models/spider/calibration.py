@@ -15,7 +15,7 @@ So on the calibration batches the loss never rises with the loop count (gain 0 r
 previous count bit for bit), and a loop is kept only where it measurably helps: test-time depth is
 no worse than the trained depth, and better where a damped further loop helps (measured on the val
 split in docs/experiments.md). The trained weights are not touched; the gains are a buffer, saved
-and exported with them. ``halting = "act"`` has its own eval-time depth and is left alone.
+and exported with them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def calibrate_extra_loops(model: nn.Module, args: SpiderArgs, score: WindowScore
     ``n_loops`` on the calibration batches, <= 0)."""
     gains = model.core.extra_loop_gain
     n, top = args.n_loops, args.max_loops
-    if gains is None or args.halting != "none" or top <= n:
+    if top <= n:
         return {}
     ref, count = score({"n_loops": n})
     first = ref
@@ -79,3 +79,18 @@ def calibrate_extra_loops(model: nn.Module, args: SpiderArgs, score: WindowScore
         figures[f"calib_diff_bpb_{i + 1}"] = diff
     figures["calib_gain_bpb"] = paired_difference(ref, first, count)[0]
     return figures
+
+
+def effective_loops(model: nn.Module, n_loops: int | None) -> int | None:
+    """``ModelSpec.effective_loops``: the fewest core loops whose output equals ``n_loops``' bit for bit
+    (trailing loops past the trained count with gain 0 hand on their input unchanged, so generation
+    leaves them out). ``n_loops`` as given in training mode or outside ``n_loops..max_loops``."""
+    if n_loops is None or model.training:
+        return n_loops
+    trained, gains = model.args.n_loops, model.core.extra_loop_gain
+    if not trained < n_loops <= model.args.max_loops:
+        return n_loops
+    needed = n_loops
+    while needed > trained and float(gains[needed - 1]) == 0.0:
+        needed -= 1
+    return needed

@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.spider.segmentation import Segmentation
-
 _P = 2**31 - 1
 _BASE = 1_000_003
 _PAIR = 1_000_000_007 % _P
@@ -48,12 +46,13 @@ def _pow_mod(base: int, exp: torch.Tensor, max_exp: int) -> torch.Tensor:
 
 
 def engram_bucket_ids(
-    input_ids: torch.Tensor, seg: Segmentation, n_buckets: int, max_segment_bytes: int
+    input_ids: torch.Tensor, pos_in_seg: torch.Tensor, ends: torch.Tensor, n_buckets: int, max_segment_bytes: int
 ) -> torch.Tensor:
-    """(B, T) byte ids + segmentation -> (B, S, 2) int64 bucket ids (order 1, order 2) per segment."""
-    terms = (input_ids.long() + 1) * _pow_mod(_BASE, seg.pos_in_seg, max_segment_bytes) % _P  # (B, T)
+    """(B, T) byte ids, each byte's position in its segment (B, T) and the segments' last bytes (B, S)
+    (``Segmentation.pos_in_seg`` / ``.ends``) -> (B, S, 2) int64 bucket ids (order 1, order 2) per segment."""
+    terms = (input_ids.long() + 1) * _pow_mod(_BASE, pos_in_seg, max_segment_bytes) % _P  # (B, T)
     prefix = torch.cumsum(terms, dim=1)  # < T * P, exact in int64
-    at_end = prefix.gather(1, seg.ends)  # (B, S)
+    at_end = prefix.gather(1, ends)  # (B, S)
     h1 = (at_end - F.pad(at_end[:, :-1], (1, 0), value=0)) % _P
     h2 = (F.pad(h1[:, :-1], (1, 0), value=0) * _PAIR + h1 + 1) % _P
     b1 = (h1 * _MIX[0] + _ADD[0]) % _P % n_buckets

@@ -15,7 +15,7 @@ estimate). The honest number for a step is ``aux["flops_per_byte"]`` of its trai
 computed with ``n_loops = loops_run``, ``row_segments = S`` (the batch's largest segment count: the
 attention, ``up_proj`` and smoothing run on (B, S) rows, padding included) and
 ``bytes_per_segment`` = the bytes per segment the core's per-segment work sees: B T / (real
-segments) under ``pack_segments``, else T / S (padding computed).
+segments), the core running on the real segments only.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def spider_flops_breakdown(
     S = T / bps if row_segments is None else float(row_segments)  # segment slots per row
     per_slot = S / T  # (B, S) slots per byte: what the attention and the row-level parts run on
     d, H = a.dim, a.n_heads
-    db = a.byte_width  # the byte-level width (embeddings, byte blocks, predictor input, head)
     dp = a.boundary_width  # the predictor's projection width
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
 
@@ -76,28 +75,19 @@ def spider_flops_breakdown(
         "moe_router": a.n_core * mm(d, a.n_experts) / bps,
         "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
         "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
-        "act_halting": mm(d, 1) * (a.halting == "act") * per_slot,
     }
+    learned = a.learned_segments
     fwd = {
-        "byte_blocks": n_bytes_blocks * (attn_proj_at(db) + 3 * mm(db, a.inter_dim) * a.byte_mlp),
+        "byte_blocks": n_bytes_blocks * (attn_proj_at(d) + 3 * mm(d, a.inter_dim)),
         "byte_attention_scores": n_bytes_blocks * attn_scores(T),
-        # Without the straight-through path the predictor reads the prelude detached: its backward
-        # computes weight gradients only (2x forward instead of 3x in total).
-        "boundary_predictor": {"mlp": mm(db, dp) + mm(dp, 1), "cosine": 2 * mm(db, dp), "fixed": 0.0, "space": 0.0}[
-            a.boundary_predictor
-        ]
-        * (
-            (1.0 if a.router_grad else 2.0 / 3.0)
-            # a second pass on the detached prelude for the boundary loss (weight gradients only)
-            + (2.0 / 3.0) * (a.router_grad and not a.boundary_prelude_grad)
-        ),
-        # byte_dim -> dim once per segment (the core's input, packed with it), dim -> byte_dim per (B, S) slot
-        "inject_up_proj": mm(db, d) / bps + mm(d, db) * per_slot,
-        "residual_proj": mm(db, db) * a.stage_init,
-        # the EMA over segments as one (S x S) @ (S x byte_dim) product per row
-        "dechunk_smoothing": mm(S, db) * per_slot * a.dechunk_smoothing,
+        "boundary_predictor": 2 * mm(d, dp) * learned,  # q_proj and k_proj
+        # inject once per segment (the core's input, packed with it), up_proj per (B, S) slot
+        "inject_up_proj": mm(d, d) / bps + mm(d, d) * per_slot,
+        "residual_proj": mm(d, d),
+        # the EMA over segments as one (S x S) @ (S x dim) product per row (learned segments only)
+        "dechunk_smoothing": mm(S, d) * per_slot * learned,
         **{k: v * loops for k, v in per_loop.items()},
-        "lm_head": mm(db, VOCAB_SIZE),
+        "lm_head": mm(d, VOCAB_SIZE),
     }
     out = {k: 3.0 * v for k, v in fwd.items()}
     # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.
