@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from spider_titan import registry
 from spider_titan.checkpoint.manager import (
     SINGLE_PROCESS_NOTICE,
     Checkpointer,
@@ -34,9 +35,8 @@ from spider_titan.checkpoint.manager import (
     OptimizerState,
     RNGState,
 )
-from spider_titan.components import registry
 from spider_titan.components.builder import materialize
-from spider_titan.config.job_config import Checkpoint, LRScheduler, Optimizer
+from spider_titan.job_config import Checkpoint, LRScheduler, Optimizer
 from spider_titan.optim.lr_schedulers import build_lr_scheduler, cosine_decay
 
 REPEATS = 3

@@ -260,10 +260,14 @@ _RUNNERS = {
 }
 
 
-if __name__ == "__main__":  # python -m scripts.bench_comm [scenario,...]
-    import sys
-
-    print(json.dumps(benchmark_comm(argparse.Namespace(comm_scenarios=",".join(sys.argv[1:]))), indent=2))
+if __name__ == "__main__":  # python scripts/bench_comm.py [scenario ...]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="*", metavar="scenario", help=f"any of {list(SCENARIOS)} (default: all)")
+    chosen = parser.parse_args().scenarios
+    unknown = sorted(set(chosen) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+    print(json.dumps(benchmark_comm(argparse.Namespace(comm_scenarios=",".join(chosen))), indent=2))
 
 
 # ------------------------------------------------------------- fixed-capacity expert-parallel dispatch
@@ -298,7 +302,7 @@ def benchmark_ep_capacity(args: argparse.Namespace) -> dict:
                    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
                    "--validation.enable", "false", "--checkpoint.export_at_end", "false",
                    "--job.dump_folder", str(dump)]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
             if proc.returncode:
                 raise RuntimeError(f"{name}: training failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

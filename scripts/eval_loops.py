@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spider_titan.components import registry  # noqa: E402
-from spider_titan.data.loader import ByteDataLoader  # noqa: E402
-from spider_titan.generation import load_model  # noqa: E402
-from spider_titan.protocol import paired_difference, window_cross_entropy  # noqa: E402
-from spider_titan.training.validation import whole_split_batches  # noqa: E402
+from spider_titan import registry
+from spider_titan.data.loader import ByteDataLoader
+from spider_titan.generation import load_model
+from spider_titan.protocol import paired_difference, window_cross_entropy
+from spider_titan.training.validation import whole_split_batches
 
 
 @torch.no_grad()

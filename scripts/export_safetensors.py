@@ -19,12 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-# Run from a checkout without `pip install -e .`: make the repository root importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spider_titan.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint  # noqa: E402
-from spider_titan.errors import describe_os_error, find_os_error  # noqa: E402
-from spider_titan.protocol import DTYPES  # noqa: E402
+from spider_titan.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
+from spider_titan.errors import describe_os_error, find_os_error
+from spider_titan.protocol import DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

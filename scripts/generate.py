@@ -22,20 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-# Run from a checkout without `pip install -e .`: make the repository root importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from spider_titan.generation import (  # noqa: E402
-    check_sampling,
-    effective_loops,
-    generate,
-    load_model,
-    resolve_device,
-    uses_cache,
-)
-from spider_titan.protocol import DTYPES  # noqa: E402
+from spider_titan.generation import check_sampling, effective_loops, generate, load_model, resolve_device, uses_cache
+from spider_titan.protocol import DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

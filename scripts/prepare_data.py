@@ -21,12 +21,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
-# Run from a checkout without `pip install -e .`: make the repository root importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spider_titan.data.ingest import DEFAULT_GLOBS, default_workers, prepare_shards  # noqa: E402
+from spider_titan.data.ingest import DEFAULT_GLOBS, default_workers, prepare_shards
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

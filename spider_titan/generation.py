@@ -1,54 +1,41 @@
 """Sampling from a safetensors export or a training checkpoint: prompt -> bytes -> one next byte at a time.
 
-:func:`load_model` rebuilds the model named in the export's config.json through its registry
-``ModelSpec`` (on the meta device, then materialised so buffers that are not saved, such as RoPE
-tables, exist), and loads the tensors strictly: no training state and no file of the run needed.
-An export edited or damaged by hand (bad JSON, missing or mistyped args, an unknown model or
-flavor, a missing, cut or reshaped tensor, non-finite weights) is a ValueError naming the file
-and the key or tensor, which ``scripts/generate.py`` prints as one line. Given a run folder, its
-checkpoint folder or a ``step-<N>`` folder instead, it reads the model's weights straight from the DCP
-checkpoint (the newest complete one), for a quick look during training without an export.
+:func:`load_model` reads an export with checkpoint/export.py's reader (``read_export``: config.json,
+the model it names through its registry ``ModelSpec``, every tensor, each checked; an export edited or
+damaged by hand is a ValueError naming the file and the key or tensor, which ``scripts/generate.py``
+prints as one line), materialises the model (so buffers that are not saved, such as RoPE tables,
+exist) and loads the tensors strictly: no training state and no file of the run needed. Given a run
+folder, its checkpoint folder or a ``step-<N>`` folder instead, it reads the model's weights straight
+from the DCP checkpoint (the newest complete one), for a quick look during training without an export.
 
-:func:`generate` / :func:`generate_batch` decode a Spider incrementally with its caches
-(models/spider/decode.py: one byte's work per byte, the same logits as the full forward); any other
-model, or a Spider option the decoder does not cover, recomputes the whole forward for every new
-byte (exact, at O(T^2) cost). The choice of the next byte (:func:`sample_next`) is
-greedy at ``temperature == 0``, else a softmax at ``temperature`` over the ``top_k`` best logits
-(all when 0). Only bytes and EOS can be drawn; EOS ends the sample. A Spider asked for more loops
-than trained runs only those up to the last one whose calibrated gain is non-zero
-(:func:`effective_loops`): the output is the same, bit for bit.
+:func:`generate` / :func:`generate_batch` ask the model's spec (:func:`model_spec`) how to run it: a
+model with an incremental decoder (``ModelSpec.decoder``, e.g. Spider's models/spider/decode.py: one
+byte's work per byte, the same logits as the full forward) decodes with its caches; any other model,
+or options the decoder does not cover, recomputes the whole forward for every new byte (exact, at
+O(T^2) cost). The choice of the next byte (:func:`sample_next`) is greedy at ``temperature == 0``,
+else a softmax at ``temperature`` over the ``top_k`` best logits (all when 0). Only bytes and EOS can
+be drawn; EOS ends the sample. A model asked for a test-time depth (``n_loops``) runs only the loops
+its spec says the output needs (:func:`effective_loops`): the output is the same, bit for bit.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import nn
 
-from spider_titan.checkpoint.export import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    load_export_tensors,
-    read_checkpoint_tensors,
-    read_export_config,
-)
+from spider_titan import registry
+from spider_titan.checkpoint.export import CONFIG_FILE, read_checkpoint_tensors, read_export
 from spider_titan.checkpoint.layout import ModelIdentity
-from spider_titan.components import registry
 from spider_titan.components.builder import materialize
-from spider_titan.models.spider import Spider
-from spider_titan.models.spider.decode import decode, new_cache, unsupported
+from spider_titan.protocol import CachedDecoder, ModelSpec
 from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
 
 # ids a sample can draw: the 256 bytes and EOS (the range of top_k)
 DRAWABLE = 257
-REEXPORT = "re-export it with scripts/export_safetensors.py"
 
 
 def check_sampling(*, temperature: float, top_k: int, max_new_bytes: int, top_p: float = 1.0) -> None:
@@ -81,88 +68,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _read_config(path: Path) -> tuple[dict[str, Any], ModelIdentity]:
-    """config.json and the model it names, checked key by key against the registry."""
-    file = path / CONFIG_FILE
-    try:
-        config = read_export_config(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e}); restore it or {REEXPORT}") from None
-    except AttributeError:  # valid JSON, but not an object
-        raise ValueError(f"{file}: not a JSON object; restore it or {REEXPORT}") from None
-    model = config.get("model")
-    if not isinstance(model, dict) or not all(
-        isinstance(model.get(k), t) for k, t in (("name", str), ("flavor", str), ("args", dict))
-    ):
-        raise ValueError(
-            f"{file}: 'model' must hold 'name' and 'flavor' (strings) and 'args' (an object); restore it or {REEXPORT}"
-        )
-    try:
-        spec = registry.get("model", model["name"])
-    except ValueError as e:
-        raise ValueError(f"{file}: model.name: {e}") from None
-    if model["flavor"] not in spec.flavors:
-        raise ValueError(
-            f"{file}: model.flavor {model['flavor']!r} is not a flavor of {model['name']!r}; "
-            f"choose one of {list(spec.flavors)}"
-        )
-    reference = spec.flavors[model["flavor"]]
-    known = {f.name for f in dataclasses.fields(reference)}
-    identity = ModelIdentity.from_json(model)  # with the fields added since the export was written
-    args = identity.args
-    problems = [f"unknown {k!r}" for k in sorted(set(args) - known)]
-    problems += [f"missing {k!r}" for k in sorted(known - set(args))]
-    for key in sorted(set(args) & known):
-        expected, value = getattr(reference, key), args[key]
-        if expected is None or value is None:
-            continue
-        if isinstance(expected, bool) or isinstance(value, bool):
-            ok = isinstance(expected, bool) and isinstance(value, bool)
-        elif isinstance(expected, float):
-            ok = isinstance(value, (int, float))
-        elif isinstance(expected, (list, tuple)):
-            ok = isinstance(value, list)
-        else:
-            ok = isinstance(value, type(expected))
-        if not ok:
-            problems.append(f"{key!r} is {value!r}, expected a {type(expected).__name__}")
-    if problems:
-        raise ValueError(f"{file}: model.args: {'; '.join(problems)}; restore it or {REEXPORT}")
-    return config, identity
-
-
-def _weights_file(path: Path, key: str | None = None) -> Path:
-    """The safetensors file that holds ``key`` (or the export's weights file or index)."""
-    if (path / INDEX_FILE).is_file():
-        try:
-            return path / json.loads((path / INDEX_FILE).read_text())["weight_map"][key]
-        except Exception:  # an unreadable index, or a key it lacks: name the index itself
-            return path / INDEX_FILE
-    return path / WEIGHTS_FILE
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the export; ValueError naming the file that cannot be read."""
-    try:
-        return load_export_tensors(path)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # safetensors' own error, bad index JSON, a file the index names but lacks
-        files = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
-        files += sorted(path.glob("*.safetensors"))
-        bad = files[0] if files else path
-        for file in files[len(files) > 1 and files[0].name == INDEX_FILE :]:
-            try:
-                safetensors.torch.load_file(file)
-            except Exception:
-                bad = file
-                break
-        text = str(e).strip().splitlines()
-        raise ValueError(
-            f"{bad}: unreadable ({type(e).__name__}: {text[-1] if text else ''}); restore it or {REEXPORT}"
-        ) from None
-
-
 def load_model(
     path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -170,41 +75,8 @@ def load_model(
     path = Path(path)
     if _is_checkpoint_folder(path):  # a run, its checkpoint folder or a step
         return _load_from_checkpoint(path, device=device, dtype=dtype)
-    config, identity = _read_config(path)
-    spec = registry.get("model", identity.name)
-    try:
-        model = spec.build_on_meta(identity.build_args())
-    except Exception as e:  # args of the right types whose values build no model (n_heads = 0, ...)
-        raise ValueError(
-            f"{path / CONFIG_FILE}: model.args build no {identity.name!r} model "
-            f"({type(e).__name__}: {e}); restore it or {REEXPORT}"
-        ) from None
+    config, model, tensors = read_export(path)
     materialize(model, torch.device(device), seed=0)
-    tensors = _read_tensors(path)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ValueError(
-            f"{_weights_file(path)}: tensor(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} "
-            f"missing ({len(missing)} of {len(expected)}); restore it or {REEXPORT}"
-        )
-    unknown = sorted(set(tensors) - set(expected))
-    if unknown:
-        raise ValueError(
-            f"{_weights_file(path, unknown[0])}: tensor(s) {unknown[:3]} are not in a "
-            f"{identity.name!r} model; restore it or {REEXPORT}"
-        )
-    for key, shape in expected.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(
-                f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
-                f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}"
-            )
-        if tensors[key].is_floating_point() and not bool(torch.isfinite(tensors[key]).all()):
-            raise ValueError(
-                f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
-                "saved before the values went non-finite"
-            )
     model.load_state_dict(tensors, strict=True)
     return model.to(dtype).eval(), config
 
@@ -263,23 +135,24 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def model_spec(model: nn.Module) -> ModelSpec | None:
+    """The registered spec whose ``model_cls`` built ``model``; None for a model of none (a wrapper,
+    e.g. torch.compile's, or an unregistered class): it is then run as a plain forward."""
+    for name in registry.names("model"):
+        spec = registry.get("model", name)
+        if type(model) is spec.model_cls:
+            return spec
+    return None
+
+
 def effective_loops(model: nn.Module, n_loops: int | None) -> int | None:
-    """The fewest core loops whose output equals ``n_loops``' bit for bit. A Spider at eval hands on
-    ``h + gain_i (F_i(h) - h)`` from a loop ``i`` past its trained count (models/spider/recurrence.py),
-    and the end-of-run calibration sets ``gain_i = 0`` for a loop that did not help: such loops at
-    the end of the requested count compute and then hand on their input unchanged, so they are left
-    out. ``n_loops`` as given otherwise: not a Spider, no gains (``extra_loop_gains`` off, as in
-    exports from before them), ACT halting (which ignores the gains), or a count outside
-    ``n_loops..max_loops`` (the model's own error names the range)."""
-    if n_loops is None or not isinstance(model, Spider) or model.training:
+    """The fewest core loops whose output equals ``n_loops``' bit for bit, as the model's spec says
+    (``ModelSpec.effective_loops``; Spider leaves out the loops past its trained count whose
+    calibrated gain is 0, models/spider/calibration.py); ``n_loops`` as given for a model without that rule."""
+    spec = model_spec(model)
+    if n_loops is None or spec is None or spec.effective_loops is None:
         return n_loops
-    trained, gains = model.args.n_loops, model.core.extra_loop_gain
-    if gains is None or model.core.halt_predictor is not None or not trained < n_loops <= model.args.max_loops:
-        return n_loops
-    needed = n_loops
-    while needed > trained and float(gains[needed - 1]) == 0.0:
-        needed -= 1
-    return needed
+    return spec.effective_loops(model, n_loops)
 
 
 def generate(model: nn.Module, prompt: bytes, **sampling) -> bytes:
@@ -288,10 +161,20 @@ def generate(model: nn.Module, prompt: bytes, **sampling) -> bytes:
     return generate_batch(model, [prompt], **sampling)[0]
 
 
+def _decoder(model: nn.Module, longest: int) -> CachedDecoder | None:
+    """The model's incremental decoder (``ModelSpec.decoder``) when it covers the model's options and
+    ``longest`` ids fit its ``max_seq_len``; None otherwise."""
+    spec = model_spec(model)
+    decoder = spec.cached_decoder() if spec is not None else None
+    if decoder is None or decoder.unsupported(model) is not None or longest > model.args.max_seq_len:
+        return None
+    return decoder
+
+
 def uses_cache(model: nn.Module, longest: int) -> bool:
-    """Whether generation of ``longest`` ids in all can decode incrementally (models/spider/decode.py):
-    a Spider whose options the decoder covers, within its max_seq_len."""
-    return isinstance(model, Spider) and unsupported(model) is None and longest <= model.args.max_seq_len
+    """Whether generation of ``longest`` ids in all decodes incrementally (``ModelSpec.decoder``): a
+    model with a decoder that covers its options, within its max_seq_len."""
+    return _decoder(model, longest) is not None
 
 
 @torch.no_grad()
@@ -310,10 +193,11 @@ def generate_batch(
 ) -> list[bytes]:
     """The continuation of each ``[BOS] + prompt`` (prompts of any lengths; EOS ends a row).
 
-    A Spider generates with its caches (``use_cache``, when the decoder covers it and the whole
-    sample fits ``max_seq_len``): each byte costs one byte's work. Otherwise every step recomputes
-    the context, keeping the last ``context_len`` ids. ``n_loops``: the core's loop count for
-    Spider (test-time depth; default: as trained), of which only :func:`effective_loops` run.
+    A model with an incremental decoder generates with its caches (``use_cache``, when the decoder
+    covers it and the whole sample fits ``max_seq_len``): each byte costs one byte's work. Otherwise
+    every step recomputes the context, keeping the last ``context_len`` ids. ``n_loops``: the core's
+    loop count of a model whose forward takes one (Spider: test-time depth; default: as trained), of
+    which only :func:`effective_loops` run.
     Sampling draws from one generator seeded by ``seed``, rows in order, so a row's sample does not
     depend on the batch only when alone."""
     check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=max_new_bytes, top_p=top_p)
@@ -323,7 +207,7 @@ def generate_batch(
     outs = [bytearray() for _ in prompts]
     done = [False] * len(prompts)
     n_loops = effective_loops(model, n_loops)
-    extra = {"n_loops": n_loops} if n_loops is not None and isinstance(model, Spider) else {}
+    extra = {"n_loops": n_loops} if n_loops is not None else {}
 
     def draw(i: int, logits: torch.Tensor) -> None:
         nxt = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -333,11 +217,12 @@ def generate_batch(
             rows[i].append(nxt)
             outs[i].append(nxt)
 
-    if use_cache and uses_cache(model, max(map(len, rows)) + max_new_bytes):
-        cache = new_cache(model, len(rows), n_loops=n_loops)
+    decoder = _decoder(model, max(map(len, rows)) + max_new_bytes) if use_cache else None
+    if decoder is not None:
+        cache = decoder.new_cache(model, len(rows), n_loops=n_loops)
         width = max(map(len, rows))
-        logits = decode(model, torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device), cache,
-                        lengths=[len(r) for r in rows])  # fmt: skip
+        padded = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)  # (B, width)
+        logits = decoder.decode(model, padded, cache, lengths=[len(r) for r in rows])
         last = [logits[i, len(r) - 1] for i, r in enumerate(rows)]
         for _ in range(max_new_bytes):
             for i in range(len(rows)):
@@ -345,8 +230,8 @@ def generate_batch(
                     draw(i, last[i])
             if all(done):
                 break
-            step = decode(model, torch.tensor([[r[-1]] for r in rows], device=device), cache,
-                          lengths=[0 if d else 1 for d in done])  # fmt: skip
+            newest = torch.tensor([[r[-1]] for r in rows], device=device)  # (B, 1)
+            step = decoder.decode(model, newest, cache, lengths=[0 if d else 1 for d in done])
             last = [step[i, 0] for i in range(len(rows))]
         return [bytes(o) for o in outs]
     for _ in range(max_new_bytes):

@@ -1,12 +1,13 @@
 """The JobConfig: one dataclass per TOML table.
 
 Each field is typed, defaulted and documented by the string literal under it; that text is what
-``--help`` prints (read with ``ast`` by ``config.manager.field_docs``). Enumerated strings are
-``Literal[...]`` and checked at parse time; component names are checked against the registry.
+``--help`` prints (read with ``ast`` by ``config.parse.field_docs``). Enumerated strings are
+``Literal[...]`` and checked at parse time; component names are checked against the registry
+(``config.validate.registry_problems``).
 
 Number fields that accept only some values declare them with :func:`ranged` (a :class:`Range` in
-the field's metadata); ``config.manager.validate`` checks every field against its range in one place,
-and every float field must be finite.
+the field's metadata); ``config.validate.range_problems`` checks every field against its range in one
+place, and every float field must be finite.
 
 Precedence: CLI ``--section.key value`` > TOML > these defaults.
 """
@@ -256,19 +257,9 @@ class ActivationCheckpoint:
 class Float8:
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao float8 recipe; ``tensorwise`` is the one that supports fp8 all-gather."""
-    filter_fqns: list[str] = field(
-        default_factory=lambda: [
-            "boundary_predictor",
-            "loop_embedding",
-            "engram",
-            "norm",
-            "embed_tokens",
-            "lm_head",
-            "halt_predictor",
-            "router",
-        ]
-    )
-    """Linears whose FQN contains any of these stay high precision."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linears whose FQN contains any of these stay high precision too, besides the model's own
+    ``ModelSpec.float8_skip_fqns``."""
     pad_inner_dim: bool = True
     """Pad inner dims to multiples of 16 so fp8 matmuls accept them."""
     enable_fsdp_float8_all_gather: bool = False

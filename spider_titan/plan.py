@@ -27,8 +27,9 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
   running the model at the config's real width, batch and sequence on fake tensors (no memory, no
   compute) under the config's activation-checkpointing mode and counting the storages still alive,
   like metrics/memory.py does on real tensors. Assumptions, each stated in the output:
-  - the one data-dependent host read of Spider's forward (the segment count S) returns
-    ``ceil(seq_len / target_bytes_per_segment)``; boolean checks read "true";
+  - the one data-dependent host read of the forward (Spider's segment count S) returns
+    ``ceil(seq_len * moe_tokens_per_byte)`` of the model's spec (Spider: one segment per
+    ``target_bytes_per_segment`` bytes); boolean checks read "true";
   - attention saves what the GPU kernels save (q, k, v, output, fp32 logsumexp), not the T x T
     matrix of the CPU math fallback (MLA's qk and v head dims differ, which CPU flash refuses);
   - the MoE backend is ``torch`` (the Triton kernels do not run on fake CPU tensors);
@@ -47,12 +48,15 @@ Validated against real gloo runs at debug size (tests/distributed/test_plan_vali
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import sys
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,9 +66,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from spider_titan.components import registry
-from spider_titan.config.job_config import JobConfig
-from spider_titan.config.manager import ConfigError, parse_args
+from spider_titan import registry
+from spider_titan.config.manager import ConfigError
+from spider_titan.config.parse import convert, field_docs, parse, show, split_cli, type_name
+from spider_titan.config.validate import field_range, validate
+from spider_titan.job_config import JobConfig, Range, ranged
 from spider_titan.parallel.fsdp import keep_gathered
 from spider_titan.parallel.mesh import ParallelDims, destroy_process_groups, use_fsdp
 from spider_titan.parallel.parallelize import _loop_owners, fsdp_units
@@ -82,50 +88,72 @@ USAGE = (
 
 @dataclass
 class PlanOptions:
-    """The plan's own flags (everything else on the command line is the training config)."""
+    """The plan's own flags: ``--key value``, ``--key=value`` or ``--plan.key value``, read with the
+    config parser's own splitting and conversion (config/parse.py); every other flag is the training
+    config's ``--section.key value``."""
 
-    ngpu: int
-    mfu: float = 0.4
-    gpu_memory_gib: float = 80.0
-    peak_tflops: float | None = None  # None: H100 bf16 dense, x2 with the float8 converter
+    ngpu: int = field(metadata={"range": Range(low=1)})
+    """GPUs (ranks) to plan for; required."""
+    mfu: float = ranged(0.4, low=0, high=1, low_open=True)
+    """Model FLOPs utilisation the step time assumes, a fraction (e.g. 0.4)."""
+    gpu_memory_gib: float = ranged(80.0, low=0, low_open=True)
+    """Memory of one GPU, GiB: the budget of the verdict and of keeping the recurrent core gathered."""
+    peak_tflops: float | None = field(default=None, metadata={"range": Range(low=0, low_open=True)})
+    """Peak dense TFLOP/s of one GPU; none: H100 bf16 (989), doubled with the float8 converter."""
 
 
-_FLAGS = {"--ngpu": int, "--mfu": float, "--gpu_memory_gib": float, "--peak_tflops": float}
+PLAN_SECTION = "plan"
 
 
-def split_plan_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
-    """(plan options, the rest for the config parser); ValueError names the flag and the fix."""
-    values: dict[str, float] = {}
+def parse_plan_args(argv: list[str]) -> tuple[PlanOptions, JobConfig]:
+    """The plan's flags and the training config ``argv`` asks for; ConfigError with every problem of
+    both, one line each (the config is validated for ``--ngpu`` ranks once that is known)."""
+    hints = typing.get_type_hints(PlanOptions)
+    # the plan's flags are keys of a [plan] section, so the config's splitter reads both in one pass
+    named = [f"--{PLAN_SECTION}.{a[2:]}" if a[:2] == "--" and a[2:].partition("=")[0] in hints else a for a in argv]
+    pairs, problems = split_cli(named)
+    problems = [p.replace(f"--{PLAN_SECTION}.", "--") for p in problems]
+    values: dict[str, Any] = {}
     rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, sep, inline = arg.partition("=")
-        if name in _FLAGS:
-            if not sep and i + 1 >= len(argv):
-                raise ValueError(f"{name}: missing value ({USAGE})")
-            raw = inline if sep else argv[i + 1]
+    for dotted, raw in pairs:
+        section, _, key = dotted.partition(".")
+        if section != PLAN_SECTION:
+            rest.append(f"--{dotted}={raw}")
+        elif key not in hints:
+            problems.append(f"--{dotted}: unknown plan flag; plan flags: {', '.join('--' + k for k in hints)}")
+        else:
             try:
-                values[name[2:]] = _FLAGS[name](raw)
-            except ValueError:
-                kind = "an integer" if _FLAGS[name] is int else "a number"
-                raise ValueError(f"{name}: {raw!r} is not {kind}") from None
-            i += 1 if sep else 2
-            continue
-        rest.append(arg)
-        i += 1
-    if "ngpu" not in values:
-        raise ValueError(f"--ngpu: required, the number of GPUs (ranks) to plan for ({USAGE})")
-    opts = PlanOptions(**values)
-    if opts.ngpu < 1:
-        raise ValueError(f"--ngpu: {opts.ngpu} must be >= 1")
-    if not 0.0 < opts.mfu <= 1.0:
-        raise ValueError(f"--mfu: {opts.mfu} must be in (0, 1] (a fraction, e.g. 0.4)")
-    if opts.gpu_memory_gib <= 0:
-        raise ValueError(f"--gpu_memory_gib: {opts.gpu_memory_gib} must be > 0")
-    if opts.peak_tflops is not None and opts.peak_tflops <= 0:
-        raise ValueError(f"--peak_tflops: {opts.peak_tflops} must be > 0")
-    return opts, rest
+                values[key] = convert(raw, hints[key], from_cli=True)
+            except ValueError as e:
+                problems.append(f"--{key}: {e}")
+    for f in dataclasses.fields(PlanOptions):
+        value = values.get(f.name)
+        if value is not None and not field_range(f).allows(value):
+            problems.append(f"--{f.name} {show(value)} is not allowed; use {field_range(f).describe(hints[f.name])}")
+            del values[f.name]
+    if "ngpu" not in values and not any(p.startswith("--ngpu") for p in problems):
+        problems.append(f"--ngpu: required, the number of GPUs (ranks) to plan for ({USAGE})")
+    cfg, config_problems = parse(rest)
+    if cfg is not None and "ngpu" in values:  # the parallelism checks need the world size
+        config_problems += validate(cfg, env={"WORLD_SIZE": str(values["ngpu"])})
+    problems += config_problems
+    if problems:
+        raise ConfigError(problems)
+    return PlanOptions(**values), cfg
+
+
+def plan_flags_help() -> str:
+    """``--help``'s lines for the plan's own flags, from their docstrings."""
+    docs, hints = field_docs(PlanOptions), typing.get_type_hints(PlanOptions)
+    lines = ["plan flags (--key value, --key=value or --plan.key value):"]
+    for f in dataclasses.fields(PlanOptions):
+        allowed = field_range(f).text()
+        default = "" if f.default is dataclasses.MISSING else f", default {show(f.default)}"
+        lines.append(
+            f"  --{f.name} ({type_name(hints[f.name])}{' ' + allowed if allowed else ''}{default}): {docs[f.name]}"
+        )
+    lines.append("every other flag is the training config's: python -m spider_titan.train --help")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the sharded model under a fake PG
@@ -378,8 +406,9 @@ def measure_activation_bytes(
         cfg.moe.backend = "torch"
     spec, args, model = build_model(cfg)
     model.train()
-    target = getattr(args, "target_bytes_per_segment", None)
-    segments = math.ceil(seq_len / target) if target else None
+    per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else None
+    # rounded first: in floats 129 * (1 / 3) is not 43 exactly
+    segments = math.ceil(round(seq_len * per_byte, 9)) if per_byte is not None else None
     with FakeTensorMode(allow_non_fake_inputs=True):
         for module in model.modules():
             for name, p in list(module._parameters.items()):
@@ -498,7 +527,7 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
     memory["activations"] = act.bytes
     notes.extend(act.notes)
     if act.segments is not None:
-        notes.append(f"segment count assumed S = ceil(seq_len / target_bytes_per_segment) = {act.segments}")
+        notes.append(f"core tokens (segments) assumed S = ceil(seq_len * moe_tokens_per_byte) = {act.segments}")
 
     if dims.ep_enabled:
         comm["all_to_all"] = expert_all_to_all_bytes(cfg, args, act.segments or t.seq_len, param_dtype)
@@ -610,16 +639,13 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print(USAGE)
+        print(plan_flags_help())
         return 0
     try:
-        opts, rest = split_plan_args(argv)
-        cfg = parse_args(rest, env={"WORLD_SIZE": str(opts.ngpu)})
+        opts, cfg = parse_plan_args(argv)
     except ConfigError as e:
         for line in e.problems:
             print(f"config error: {line}", file=sys.stderr)
-        return 2
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:

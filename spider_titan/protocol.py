@@ -3,7 +3,7 @@
 A model is a plain ``nn.Module`` with no distributed imports that builds on the meta device and
 provides ``init_weights()``; ``forward(input_ids, ...)`` returns a :class:`ModelOutput`. It is
 described to the rest of the framework by a :class:`ModelSpec` (registered in
-``components/registry.py``): its args and flavors, the containers of its repeated blocks (which
+``registry.py``): its args and flavors, the containers of its repeated blocks (which
 parallelism, float8, activation checkpointing and compile find through ``block_containers``), its
 FLOPs, its training objective and its validation variants. ``sample_ids`` (B,) int64, for models
 that ask for them (``train_inputs``), key training-time noise per sample: the trainer passes
@@ -14,10 +14,11 @@ what Spider does with each part; docs/extension.md adds a model.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,40 @@ and label counts (R,) per window of a fixed set of batches, every rank's windows
 same tensors on every rank (the end-of-run calibration's batches, training/calibration.py)."""
 
 
+class CachedDecoder(Protocol):
+    """A model's incremental decoder (``ModelSpec.decoder``, a module with these functions): each new
+    byte costs one byte's work, and the logits equal the full forward's at those positions."""
+
+    def unsupported(self, model: nn.Module) -> str | None:
+        """Why ``model`` cannot be decoded incrementally (an option the decoder does not cover), or None."""
+
+    def new_cache(self, model: nn.Module, batch_size: int, n_loops: int | None = None) -> Any:
+        """An empty cache for ``batch_size`` rows; ``n_loops``: the test-time depth, fixed per cache."""
+
+    def decode(self, model: nn.Module, ids: torch.Tensor, cache: Any, lengths: list[int] | None = None) -> torch.Tensor:
+        """Logits (B, t, VOCAB_SIZE) of the new ids (B, t) of each row (its first ``lengths[i]``),
+        which the cache then holds."""
+
+
+@dataclass(frozen=True)
+class HFModules:
+    """The transformers classes of a model's exports, each ``"module:Class"`` with the module in
+    ``spider_titan.hf``: hf/bundle.py copies their modules, and every package module they import, into
+    the export, so it loads with ``trust_remote_code=True`` where only torch and transformers are installed."""
+
+    config: str
+    """The ``PretrainedConfig`` (``AutoConfig``)."""
+    model: str
+    """The ``PreTrainedModel`` (``AutoModelForCausalLM``)."""
+    tokenizer: str
+    """The tokenizer (``AutoTokenizer``)."""
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The three modules, in the order config, model, tokenizer."""
+        return tuple(target.split(":")[0] for target in (self.config, self.model, self.tokenizer))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How the framework builds and handles one registered model.
@@ -115,17 +150,32 @@ class ModelSpec:
                       ``"step"`` (host int, the optimizer step: keys per-step randomness, the same on every rank)
     moe_tokens_per_byte: ``args -> float``, the tokens a MoE layer sees per input byte (Spider's core
                       runs on segments: 1 / target_bytes_per_segment); sizes expert parallel's
-                      fixed-capacity dispatch. None: 1.
+                      fixed-capacity dispatch (None: 1), and is the count of core tokens the planner
+                      assumes the forward reads back to the host (plan.py; None: it reads none)
     eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
                       calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
                       ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
                       as ``val_<key>``); None means one plain pass
     added_args:       args fields added after a checkpoint format was fixed -> the value that rebuilds
-                      a model saved without them (ModelIdentity fills them in when it reads one)
+                      a model saved without them (:meth:`saved_args`, which every reader of a
+                      checkpoint or export applies, fills them in)
+    retired_args:     args fields that left the model -> (the saved value the remaining code reproduces,
+                      None for any; the last commit that had the field): a saved model with that value
+                      loads without it, any other is refused in one line naming the field and commit
     calibrate:        ``(model, args, score: WindowScorer) -> {name: figure}``: after the last training
                       step, fits eval-time settings of the trained model (buffers, never its trained
                       weights) on fresh training batches scored by ``score``, the same way on every
                       rank; returns figures to log. None: nothing to fit ([calibration])
+    decoder:          the module of the model's incremental decoder (a :class:`CachedDecoder`), imported
+                      when generation asks (:meth:`cached_decoder`): named, not imported, because a
+                      decoder imports its model. None: generation recomputes the context for each byte
+    effective_loops:  ``(model, n_loops) -> n_loops``: the fewest core loops an eval forward asked for
+                      ``n_loops`` (test-time depth) must run for the same output bit for bit; generation
+                      runs only those. None: as asked
+    hf_modules:       the transformers classes an export bundles (:class:`HFModules`, docs/hf.md); None:
+                      the export holds no Hugging Face files
+    float8_skip_fqns: linears whose FQN contains one of these stay in high precision under the float8
+                      converter (besides ``float8.filter_fqns``): the parts fp8 hurts or does not speed up
     """
 
     name: str
@@ -140,7 +190,12 @@ class ModelSpec:
     train_inputs: tuple[str, ...] = ()
     moe_tokens_per_byte: Callable[[Any], float] | None = None
     added_args: dict[str, Any] = field(default_factory=dict)
+    retired_args: dict[str, tuple[Any, str]] = field(default_factory=dict)
     calibrate: Callable[[nn.Module, Any, WindowScorer], dict[str, float]] | None = None
+    decoder: str | None = None
+    effective_loops: Callable[[nn.Module, int | None], int | None] | None = None
+    hf_modules: HFModules | None = None
+    float8_skip_fqns: tuple[str, ...] = ()
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
@@ -150,10 +205,34 @@ class ModelSpec:
             )
         return dataclasses.replace(self.flavors[flavor], **(overrides or {}))
 
+    def saved_args(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A saved model's args (a checkpoint's or an export's ``model.args``) as this code rebuilds
+        that model: the fields added since (``added_args``) filled in, the retired ones
+        (``retired_args``) dropped where saved at the value the code reproduces; a field missing for any
+        other reason stays missing. ValueError, one line, for a retired option at another value."""
+        args = {**{k: v for k, v in self.added_args.items() if k not in args}, **args}
+        retired = {k: args.pop(k) for k in list(args) if k in self.retired_args}
+        used = [
+            (k, v, self.retired_args[k][1])
+            for k, v in retired.items()
+            if self.retired_args[k][0] is not None and v != self.retired_args[k][0]
+        ]
+        if used:
+            fields = ", ".join(f"{k} = {v!r} (last in commit {commit})" for k, v, commit in used)
+            raise ValueError(
+                f"this {self.name} model was saved with options that have left spider_titan: {fields}; "
+                "load it with spider_titan at that commit"
+            )
+        return args
+
     def build_on_meta(self, args: Any) -> nn.Module:
         """The model for ``args`` on the meta device: no memory until ``to_empty`` + ``init_weights``."""
         with torch.device("meta"):
             return self.model_cls(args)
+
+    def cached_decoder(self) -> CachedDecoder | None:
+        """The model's incremental decoder (the ``decoder`` module), None when it has none."""
+        return importlib.import_module(self.decoder) if self.decoder is not None else None
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every repeated block as (fqn, module), in forward order."""

@@ -59,13 +59,14 @@ COMPONENTS: dict[str, dict[str, Component]] = {
         "jsonl": Component("spider_titan.metrics.logger:build_jsonl_logger", "metrics"),
         "tensorboard": Component("spider_titan.metrics.logger:build_tensorboard_logger", "metrics"),
     },
-    # apply_parallelism(model, spec, dims, meshes, cfg: Parallelism, *, param_dtype, reduce_dtype,
-    # dump_folder) -> post-step hooks
+    # apply_*(model, spec, dims, meshes, cfg: Parallelism, *, param_dtype, reduce_dtype, counter)
+    # -> post-step hooks; applied to the materialised model. One that wraps the model's root in
+    # FSDP2 casts the parameters with its MixedPrecisionPolicy (the builder then skips autocast)
     "parallelize": {
         "fsdp": Component("spider_titan.parallel.parallelize:apply_parallelism", "parallelism"),
     },
-    # [model] converters: apply_*(model, cfg) -> post-step hooks; swap modules in place after
-    # building on meta
+    # [model] converters: apply_*(model, spec, cfg) -> post-step hooks; swap modules in place after
+    # building on meta (the spec says what the model asks of them, e.g. ModelSpec.float8_skip_fqns)
     "converter": {
         "float8": Component("spider_titan.quantization.float8:apply_float8", "float8"),
     },
@@ -75,8 +76,8 @@ COMPONENTS: dict[str, dict[str, Component]] = {
         "aux_free": Component("spider_titan.moe.load_balance:apply_aux_free_balancing", "moe"),
         "both": Component("spider_titan.moe.load_balance:apply_aux_free_balancing", "moe"),
     },
-    # MoE backends: classes implementing spider_titan.moe.base.MoEBackend, with a static
-    # ``prepare(device)`` for process-wide set-up before the first one is built
+    # MoE backends: classes implementing spider_titan.moe.base.MoEBackend (build_map / expand /
+    # reduce, and the static ``prepare(device)`` the builder calls before the first one is built)
     "moe_backend": {
         "torch": Component("spider_titan.moe.torch_backend:TorchMoEBackend", "moe"),
         "triton": Component("spider_titan.moe.triton_backend:TritonMoEBackend", "moe"),

@@ -6,8 +6,8 @@ The trainer is a straight line: ``Trainer.__init__`` builds everything through t
 ``train`` runs ``train_step`` until the run's steps (or its FLOPs budget) are spent, and ``main``
 always calls ``close``.
 The loop's helpers live in ``spider_titan/training/``: step health (bad steps are recorded on the
-device and read where the loop syncs anyway), stop signals, the validation pass, and the accounting
-of tokens, FLOPs and rates.
+device and read where the loop syncs anyway), stop signals, the validation pass, the accounting
+of tokens, FLOPs and rates, and the run's start and end report.
 """
 
 from __future__ import annotations
@@ -31,19 +31,20 @@ from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.checkpoint.run_folder import claim_run_folder, record_run_end, write_run_record
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.help import help_text, to_toml
-from spider_titan.config.job_config import JobConfig
 from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.data.shards import DataError
 from spider_titan.distributed import all_reduce_sum, clip_grad_norm_
 from spider_titan.errors import WriteFailed, describe_failure
-from spider_titan.metrics.logger import format_duration, setup_logging, shell_command
+from spider_titan.job_config import JobConfig
+from spider_titan.metrics.logger import setup_logging, shell_command
 from spider_titan.metrics.profiling import maybe_profile
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.mesh import destroy_process_groups
 from spider_titan.training.calibration import Calibrator
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
-from spider_titan.training.signals import STOP_SIGNALS, Interrupted, StopSignal, exit_now
+from spider_titan.training.report import launch_command, log_end_block, log_start_block
+from spider_titan.training.signals import Interrupted, ProgramSignals, StopSignal, second_signal_line
 from spider_titan.training.validation import Validator
 from spider_titan.vocab import IGNORE_INDEX
 
@@ -103,7 +104,15 @@ class Trainer:
         if self.run.flops_budget is not None:
             self.run.flops_budget.spent = self.state.flops
         self.data_iter = iter(self.run.train_loader)
-        self.stop = StopSignal(self.world_size)
+        self.stop = StopSignal(
+            self.world_size,
+            second_line=partial(
+                second_signal_line,
+                state=self.state,
+                checkpoints=self.checkpointer.folder if cfg.checkpoint.enable else None,
+                command=self.command,
+            ),
+        )
         run, t = self.run, cfg.training
         self.health = StepHealth(
             run.device,
@@ -147,42 +156,7 @@ class Trainer:
             val_tokens=self.validator.pass_tokens() if self.validator is not None else 0,
         )
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
-        self.log_start_block()
-
-    def log_start_block(self) -> None:
-        """Where this run writes what, and the shape of the job, once at start."""
-        cfg, run, t = self.cfg, self.run, self.cfg.training
-        ck = cfg.checkpoint
-        d = self.dump_folder
-        files = [("config.toml", f"the resolved config (rerun: --job.config_file {d / 'config.toml'})")]
-        if cfg.metrics.enable_jsonl:
-            files.append(("metrics.jsonl", "one JSON line per logged step and validation (scripts/plot.py draws it)"))
-        if cfg.metrics.enable_tensorboard:
-            tb = cfg.metrics.save_tb_folder
-            files.append((f"{tb}/", f"TensorBoard (tensorboard --logdir {d / tb})"))
-        if ck.enable:
-            files.append(
-                (
-                    f"{ck.folder}/",
-                    f"DCP checkpoints every {ck.interval} steps and at the end; rerunning the same command resumes",
-                )
-            )
-        if ck.export_at_end:
-            files.append(("export/", "safetensors export at the end (scripts/generate.py --model ...)"))
-        width = max(len(name) for name, _ in files) + 2
-        lines = [f"run folder {d}/"] + [f"  {name:<{width}}{what}" for name, what in files]
-        length = (
-            f"{run.total_steps} steps"
-            if run.flops_budget is None
-            else f"to {run.flops_budget.budget:.4g} FLOPs (at most {run.total_steps} steps)"
-        )
-        lines.append(
-            f"training {length}: global batch {t.local_batch_size * t.gradient_accumulation_steps * run.parallel_dims.dp_degree}"
-            f" x {t.seq_len} bytes ({t.local_batch_size} per rank x {t.gradient_accumulation_steps} accumulation x "
-            f"{run.parallel_dims.dp_degree} ranks) on {run.device}"
-        )
-        for line in lines:
-            logger.info(line)
+        log_start_block(cfg, run, self.dump_folder)
 
     # ------------------------------------------------------------------ steps
 
@@ -434,40 +408,17 @@ class Trainer:
                     return 0
         if self.rank == 0:
             record_run_end(self.dump_folder, self.run_record, state="finished", step=step)
-        self.log_end_block()
-        return 0
-
-    def log_end_block(self) -> None:
-        """What the run produced and how to use it, once at the end."""
-        logger.info(
-            "done: %d steps, %d bytes, %.3g training FLOPs in %s",
-            self.state.step,
-            self.state.tokens_seen,
-            self.state.flops,
-            format_duration(self.progress.elapsed()),
-        )
-        if self.best_val is not None:
-            logger.info("best val bpb %.4f at step %d", *self.best_val)
-        # Commands that work as printed: this interpreter (the venv's) and this checkout's scripts.
-        python, scripts = Path(sys.executable), Path(__file__).resolve().parents[1] / "scripts"
-        if self.cfg.metrics.enable_jsonl:
-            logger.info(
-                "metrics: %s (plot: %s)",
-                self.dump_folder / "metrics.jsonl",
-                shell_command(python, scripts / "plot.py", self.dump_folder),
-            )
+        elapsed = self.progress.elapsed()  # before latest_good(), which waits for a save in flight
         good = self.checkpointer.latest_good()
-        if good is not None:
-            logger.info("last checkpoint: %s", good[1])
-        if self.cfg.checkpoint.export_at_end:
-            export = self.dump_folder / "export"
-            logger.info("export: %s", export)
-            logger.info(
-                "sample from it: %s",
-                shell_command(
-                    python, scripts / "generate.py", "--model", export, "--prompt", "def ", "--max_new_bytes", "200"
-                ),
-            )
+        log_end_block(
+            self.cfg,
+            self.state,
+            self.dump_folder,
+            elapsed=elapsed,
+            best_val=self.best_val,
+            last_checkpoint=good[1] if good is not None else None,
+        )
+        return 0
 
     def close(self) -> None:
         stop = getattr(self, "stop", None)
@@ -505,19 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg), end="")
         return 0
     command = launch_command(argv)
+    # SIGTERM / Ctrl-C: start-up unwinds, then the trainer stops at a step boundary, closing ends at once.
+    signals = ProgramSignals(install=from_cli)
     trainer = None
-    if from_cli:  # until the trainer takes over, and once it has closed, a signal stops the program at once
-
-        def stop_now(signum, frame) -> None:
-            if trainer is not None:
-                closing(signum, frame)
-            for sig in STOP_SIGNALS:  # start-up unwinds (removing what it had begun); a second signal exits at once
-                signal.signal(
-                    sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once")
-                )
-            raise Interrupted(signum)
-
-        previous_handlers = {sig: signal.signal(sig, stop_now) for sig in STOP_SIGNALS}
     try:
         try:
             trainer = Trainer(cfg, command=command)
@@ -533,20 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 128 + e.signum
-        if from_cli:
-
-            def second_line(name: str) -> str:
-                saved = (
-                    (
-                        f"the newest complete checkpoint in {trainer.checkpointer.folder} is kept (a save in progress "
-                        f"is not); resume with: {command}"
-                    )
-                    if cfg.checkpoint.enable
-                    else "nothing saved"
-                )
-                return f"{name} received again: stopped at once after step {trainer.state.step}; {saved}"
-
-            trainer.stop.install(second_line)
+        signals.hand_over(trainer.stop)
         try:
             code = trainer.train()
         except (FloatingPointError, NoLabelsError) as e:  # a diverged run or empty data: say where
@@ -571,39 +499,14 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
         else:
             destroy_process_groups()
-        if from_cli:  # closing: a signal ends the process at once, in one line (no KeyboardInterrupt mid-collect)
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, closing)
+        signals.take_back()  # a signal now ends the process at once, in one line (no KeyboardInterrupt mid-collect)
         # The model sits in reference cycles (FSDP's hooks), and through its meshes holds the process
         # groups: collected now, their threads end here rather than in the interpreter's shutdown
         # (parallel/mesh.py destroy_process_groups).
         trainer = None
         gc.collect()
-        if from_cli:
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+        signals.restore()
     return 0
-
-
-def closing(signum, frame) -> None:
-    """A signal while the run closes: end the process now (what the run saved is complete)."""
-    exit_now(
-        signum,
-        f"{signal.Signals(signum).name} received while closing the run: stopped at once; what it saved is complete",
-    )
-
-
-def launch_command(argv: list[str]) -> str:
-    """The command that runs this program again with ``argv``, with this interpreter (the venv's):
-    the torchrun launch on more than one rank (on one node; on several, with their rendezvous flags)."""
-    python = Path(sys.executable)
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world <= 1:
-        return shell_command(python, "-m", "spider_titan.train", *argv)
-    launch = ["-m", "torch.distributed.run", f"--nproc_per_node={local}"]
-    launch += ["--standalone"] if world == local else [f"--nnodes={world // max(local, 1)}"]
-    command = shell_command(python, *launch, "-m", "spider_titan.train", *argv)
-    return command if world == local else command + " (on every node, with its rendezvous flags)"
 
 
 if __name__ == "__main__":

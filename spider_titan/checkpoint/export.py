@@ -8,6 +8,10 @@
 Two sources, one writer (:func:`write_export`): a DCP checkpoint folder read in one process
 (:func:`export_checkpoint`, behind ``scripts/export_safetensors.py``), or the live, possibly
 FSDP-sharded model at the end of training (:func:`full_model_state_dict`, ``checkpoint.export_at_end``).
+A model whose spec names Hugging Face classes (``ModelSpec.hf_modules``) also gets the files that
+load it with transformers (hf/bundle.py, docs/hf.md). One reader beside it (:func:`read_export`):
+config.json, the model it names and every tensor, each checked against the others, with the model
+block and tensor names checked by export_format.py, as the bundled Hugging Face code checks them.
 
 No export deletes what it did not write: the folder carries a marker file (``.spider_titan_export``)
 and :func:`check_export_target` refuses an ``out`` that holds anything but a previous export (or
@@ -53,6 +57,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from spider_titan import registry
 from spider_titan.checkpoint.layout import (
     SINGLE_PROCESS_NOTICE,
     STEP_RE,
@@ -64,18 +69,21 @@ from spider_titan.checkpoint.layout import (
     resolve_checkpoint,
 )
 from spider_titan.errors import find_os_error
-from spider_titan.hf.bundle import TOKENIZER_CONFIG, hf_config_keys, write_hf_files
+from spider_titan.export_format import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    REEXPORT,
+    WEIGHTS_FILE,
+    check_tensor_names,
+    read_model_block,
+)
+from spider_titan.hf.bundle import TOKENIZER_CONFIG, hf_config_keys, is_bundled_file, write_hf_files
 from spider_titan.metrics.logger import shell_command
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 MARKER_FILE = ".spider_titan_export"  # {"format", "format_version", "step", "time"}: this folder is ours
 SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-HF_SOURCE_RE = re.compile(r"^(st_\w+|configuration_spider|modeling_spider|tokenization_spider)\.py$")  # hf/bundle.py
-HF_MODELS = ("spider",)  # models whose exports also load with transformers
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the usual 5 GB per file of hub exports
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -277,9 +285,10 @@ def _write_files(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
     config = export_config(identity, dtype, step=step, num_parameters=sum(t.numel() for t in cast.values()))
-    if identity.name in HF_MODELS:  # loadable by transformers' Auto classes too (docs/hf.md)
-        config.update(hf_config_keys(identity.args))
-        write_hf_files(tmp)
+    hf_modules = registry.get("model", identity.name).hf_modules
+    if hf_modules is not None:  # loadable by transformers' Auto classes too (docs/hf.md)
+        config.update(hf_config_keys(identity.args, hf_modules))
+        write_hf_files(tmp, hf_modules)
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     marker = {
         "format": "spider_titan safetensors export",
@@ -344,7 +353,7 @@ def is_own_export(path: Path) -> bool:
 def _foreign(names: set[str]) -> list[str]:
     """The names among ``names`` that an export never writes."""
     ours = {CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, MARKER_FILE, TOKENIZER_CONFIG}
-    return sorted(n for n in names if n not in ours and not SHARD_RE.match(n) and not HF_SOURCE_RE.match(n))
+    return sorted(n for n in names if n not in ours and not SHARD_RE.match(n) and not is_bundled_file(n))
 
 
 def _listing(path: Path, names: list[str], limit: int = 4) -> str:
@@ -427,12 +436,17 @@ def export_command(checkpoint: Path, out: Path, dtype: str = "float32") -> str:
 
 
 def read_export_config(path: Path) -> dict[str, Any]:
-    """config.json of an export folder; FileNotFoundError / ValueError naming the folder."""
+    """config.json of an export folder; FileNotFoundError / ValueError (one line) naming the folder or file."""
     path = Path(path)
     file = path / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE}; give a folder written by scripts/export_safetensors.py")
-    config = json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise ValueError(f"{file}: not valid JSON ({e}); restore it or {REEXPORT}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object; restore it or {REEXPORT}")
     if config.get("format_version") != EXPORT_FORMAT_VERSION:
         raise ValueError(
             f"{file}: export format {config.get('format_version')!r}, this code reads {EXPORT_FORMAT_VERSION}"
@@ -452,3 +466,68 @@ def load_export_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not (path / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
     return safetensors.torch.load_file(path / WEIGHTS_FILE)
+
+
+def _weights_file(path: Path, key: str | None = None) -> Path:
+    """The safetensors file that holds ``key`` (or the export's weights file or index)."""
+    if (path / INDEX_FILE).is_file():
+        try:
+            return path / json.loads((path / INDEX_FILE).read_text())["weight_map"][key]
+        except Exception:  # an unreadable index, or a key it lacks: name the index itself
+            return path / INDEX_FILE
+    return path / WEIGHTS_FILE
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the export; ValueError naming the file that cannot be read."""
+    try:
+        return load_export_tensors(path)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors' own error, bad index JSON, a file the index names but lacks
+        files = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
+        files += sorted(path.glob("*.safetensors"))
+        bad = files[0] if files else path
+        for file in files[len(files) > 1 and files[0].name == INDEX_FILE :]:
+            try:
+                safetensors.torch.load_file(file)
+            except Exception:
+                bad = file
+                break
+        text = str(e).strip().splitlines()
+        raise ValueError(
+            f"{bad}: unreadable ({type(e).__name__}: {text[-1] if text else ''}); restore it or {REEXPORT}"
+        ) from None
+
+
+def read_export(path: Path) -> tuple[dict[str, Any], nn.Module, dict[str, torch.Tensor]]:
+    """config.json of the export folder ``path``, the model it names built on the meta device, and
+    every tensor, each checked against the others: an export edited or damaged by hand (bad JSON,
+    missing or mistyped args, an unknown model or flavor, a missing, extra, cut or reshaped tensor,
+    non-finite weights) is a ValueError naming the file and the key or tensor, in one line."""
+    path = Path(path)
+    config = read_export_config(path)
+    spec, args = read_model_block(config.get("model"), lambda name: registry.get("model", name), path / CONFIG_FILE)
+    try:
+        model = spec.build_on_meta(args)
+    except Exception as e:  # args of the right types whose values build no model (n_heads = 0, ...)
+        raise ValueError(
+            f"{path / CONFIG_FILE}: model.args build no {spec.name!r} model "
+            f"({type(e).__name__}: {e}); restore it or {REEXPORT}"
+        ) from None
+    tensors = _read_tensors(path)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    extra = sorted(set(tensors) - set(expected))
+    check_tensor_names(_weights_file(path, extra[0] if extra else None), set(expected), set(tensors))
+    for key, shape in expected.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(
+                f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
+                f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}"
+            )
+        if tensors[key].is_floating_point() and not bool(torch.isfinite(tensors[key]).all()):
+            raise ValueError(
+                f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
+                "saved before the values went non-finite"
+            )
+    return config, model, tensors

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spider_titan.components import registry
+from spider_titan import registry
+from spider_titan.config.validate import model_args_problems
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -51,22 +52,27 @@ class ModelIdentity:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelIdentity:
-        """As saved, with the fields the model gained since (``ModelSpec.added_args``) filled in with
-        the values that rebuild the saved model; a field missing for any other reason stays missing."""
+        """As saved, with its args as this code rebuilds the model (``ModelSpec.saved_args``: the fields
+        added since filled in, the retired ones dropped; ValueError, one line, for a retired option
+        at a value the code no longer reproduces)."""
         args = dict(data["args"])
         if data["name"] in registry.names("model"):
-            added = registry.get("model", data["name"]).added_args
-            args = {**{k: v for k, v in added.items() if k not in args}, **args}
+            args = registry.get("model", data["name"]).saved_args(args)
         return cls(data["name"], data["flavor"], args, tuple(data.get("converters", ())))
 
     def build_args(self) -> Any:
-        """The model's args dataclass; ValueError when the saved args hold fields this code lacks."""
+        """The model's args dataclass, checked as the config checks model args; ValueError when the
+        saved args hold fields this code lacks or values it refuses."""
         spec = registry.get("model", self.name)
         known = {f.name for f in dataclasses.fields(spec.args_cls)}
         unknown = sorted(set(self.args) - known)
         if unknown:
             raise ValueError(f"model args {unknown} are not fields of {spec.args_cls.__name__}")
-        return spec.args_cls(**self.args)
+        args = spec.args_cls(**self.args)
+        problems = model_args_problems(spec, args, prefix="saved model")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return args
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """FQN -> shape of every saved tensor, from a model built on the meta device (no memory)."""

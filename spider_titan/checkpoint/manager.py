@@ -97,8 +97,8 @@ from spider_titan.checkpoint.layout import (
     share,
     step_folders,
 )
-from spider_titan.config.job_config import Checkpoint as CheckpointConfig
 from spider_titan.errors import StateMismatch, WriteFailed, _chain, describe_os_error, find_os_error
+from spider_titan.job_config import Checkpoint as CheckpointConfig
 from spider_titan.protocol import DTYPES
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any
 
 from spider_titan.checkpoint.layout import STEP_RE, is_model_only, read_meta
 from spider_titan.checkpoint.lock import LOCK_FILE
-from spider_titan.config.job_config import JobConfig
+from spider_titan.job_config import JobConfig
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.toml"

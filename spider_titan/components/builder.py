@@ -25,6 +25,7 @@ runs them, so there is one such seam. The train loop only sees the ``Run``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -35,15 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from spider_titan.components import registry
-from spider_titan.config.job_config import JobConfig
+from spider_titan import registry
 from spider_titan.data.loader import ByteDataLoader
+from spider_titan.job_config import JobConfig, Parallelism
 from spider_titan.metrics.logger import MetricLogger
 from spider_titan.optim.lr_schedulers import FlopsBudget, build_lr_scheduler
 from spider_titan.parallel.activation_checkpoint import apply_ac
 from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE, CommCounter
 from spider_titan.parallel.compile import apply_compile
-from spider_titan.parallel.mesh import ParallelDims, use_fsdp
+from spider_titan.parallel.fsdp import fsdp_wrapped
+from spider_titan.parallel.mesh import ParallelDims
 from spider_titan.protocol import DTYPES, ModelSpec, PostStepHook
 
 logger = logging.getLogger("spider_titan")
@@ -78,7 +80,8 @@ class Run:
     dump_folder: Path = Path(".")
 
 
-def resolve_device(choice: str) -> torch.device:
+def training_device(choice: str) -> torch.device:
+    """``training.device`` (auto, cpu, cuda) as this rank's device: cuda is ``LOCAL_RANK``'s GPU."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device: 'cuda' asked for but CUDA is not available; use 'auto' or 'cpu'")
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
@@ -112,7 +115,7 @@ def build_model(cfg: JobConfig, post_step_hooks: list[PostStepHook] | None = Non
     model = spec.build_on_meta(args)
     # 4) converters; their post-step hooks go to ``post_step_hooks`` when a list is given
     for name in cfg.model.converters:
-        hooks = registry.get("converter", name)(model, registry.section("converter", name, cfg))
+        hooks = registry.get("converter", name)(model, spec, registry.section("converter", name, cfg))
         if post_step_hooks is not None:
             post_step_hooks.extend(hooks)
     # 5) MoE backend
@@ -138,6 +141,19 @@ def model_args_overrides(cfg: JobConfig) -> dict[str, Any]:
     return overrides
 
 
+def planned_parallelism(cfg: JobConfig, spec: ModelSpec, args: Any) -> Parallelism:
+    """[parallelism] as this run applies it: with capacity dispatch and ``expert_capacity_tokens = 0``,
+    the capacity planned for one MoE call's tokens (local batch x seq_len x the model's MoE tokens per
+    byte). A new section: the config as written (``config.toml``, its hash in ``run.json``) keeps 0."""
+    par = cfg.parallelism
+    if par.expert_parallel_dispatch != "capacity" or par.expert_capacity_tokens != 0:
+        return par
+    per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else 1.0
+    tokens = math.ceil(cfg.training.local_batch_size * cfg.training.seq_len * per_byte)
+    logger.info("expert parallel: capacity dispatch planned for %d tokens per MoE call", tokens)
+    return dataclasses.replace(par, expert_capacity_tokens=tokens)
+
+
 def apply_moe_backend(model: nn.Module, backend) -> int:
     """Point every MoE layer at ``backend``; returns how many layers there are."""
     from spider_titan.moe.layer import MoE
@@ -160,14 +176,14 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) -> Run:
-    device = resolve_device(cfg.training.device)
+    device = training_device(cfg.training.device)
     param_dtype, reduce_dtype = precision_dtypes(cfg, device)
 
     # 1) parallel dims + device mesh
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     meshes = dims.build_meshes(device.type) if world_size > 1 else None
 
-    registry.get("moe_backend", cfg.moe.backend).prepare(device)
+    registry.get("moe_backend", cfg.moe.backend).prepare(device)  # process-wide, before any backend is built
 
     # 2) data: every rank loads its own slice ("dp" covers all ranks)
     dp_rank = meshes["world"].get_local_rank() if meshes is not None else 0
@@ -206,28 +222,24 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     materialize(model, device, cfg.training.seed)
 
     # 9) parallelize; the comm counter (optional) closes its step in the post-step hooks
-    par = cfg.parallelism
-    if par.expert_parallel_dispatch == "capacity" and par.expert_capacity_tokens == 0:
-        per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else 1.0
-        par.expert_capacity_tokens = math.ceil(cfg.training.local_batch_size * cfg.training.seq_len * per_byte)
-        logger.info("expert parallel: capacity dispatch planned for %d tokens per MoE call", par.expert_capacity_tokens)
     counter = CommCounter(dump_folder / COMM_COUNTS_FILE) if cfg.parallelism.comm_counter else None
     parallelize = cfg.parallelism.name
+    planned = dataclasses.replace(cfg, parallelism=planned_parallelism(cfg, spec, args))  # cfg itself stays as written
     post_step_hooks.extend(
         registry.get("parallelize", parallelize)(
             model,
             spec,
             dims,
             meshes,
-            registry.section("parallelize", parallelize, cfg),
+            registry.section("parallelize", parallelize, planned),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             counter=counter,
         )
     )
     # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
-    fsdp_on = world_size > 1 and parallelize == "fsdp" and use_fsdp(cfg.parallelism, dims)
-    autocast_dtype = param_dtype if (device.type == "cuda" and not fsdp_on and param_dtype != torch.float32) else None
+    casts = device.type == "cuda" and param_dtype != torch.float32 and not fsdp_wrapped(model)
+    autocast_dtype = param_dtype if casts else None
 
     # 10) optimizer, 11) lr scheduler
     optimizer = registry.get("optimizer", cfg.optimizer.name)(

@@ -1,2 +1,3 @@
-"""The run's configuration: job_config.py (one typed dataclass per TOML table), parse.py, validate.py,
-help.py, and manager.py (parse_args, the entry)."""
+"""Reading the run's configuration into ``spider_titan.job_config.JobConfig``: parse.py (TOML + CLI),
+validate.py (every problem at once), help.py (``--help``, ``--print_config``) and manager.py (parse_args,
+the entry)."""

@@ -9,11 +9,11 @@ import dataclasses
 import typing
 from typing import Any, get_origin
 
-from spider_titan.components import registry
-from spider_titan.config.job_config import JobConfig
+from spider_titan import registry
 from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.config.parse import field_docs, sections, show, table_keys, toml_value, type_name
 from spider_titan.config.validate import REGISTRY_KEYS, field_range
+from spider_titan.job_config import JobConfig
 
 # Registry kinds no key names: the builder picks them, for the reason given here (shown by --help).
 BUILDER_CHOSEN: dict[str, str] = {
@@ -75,10 +75,11 @@ def _model_table(spec: Any, resolved: Any | None) -> list[str]:
     """Every arg of one registered model with its value in each flavor (and in this config)."""
     hints = typing.get_type_hints(spec.args_cls)
     docs = field_docs(spec.args_cls)
+    ranges = {f.name: field_range(f).text() for f in dataclasses.fields(spec.args_cls)}
     header = ["key", "type", *spec.flavors] + (["this config"] if resolved is not None else [])
     rows = []
     for key in hints:
-        row = [f"--model.{key}", type_name(hints[key])]
+        row = [f"--model.{key}", type_name(hints[key]) + (f", {ranges[key]}" if ranges.get(key) else "")]
         row += [show(getattr(args, key)) for args in spec.flavors.values()]
         if resolved is not None:
             row.append(show(getattr(resolved, key)))
@@ -142,7 +143,7 @@ def help_text(argv: list[str] | None = None) -> str:
         lines.extend(_model_table(spec, resolved_args))
         lines.append("")
     chosen_by = {kind: f"--{key}" for key, kind in REGISTRY_KEYS.items()} | BUILDER_CHOSEN
-    lines.append("Registered components (spider_titan/components/registry.py):")
+    lines.append("Registered components (spider_titan/registry.py):")
     width = max(map(len, registry.COMPONENTS))
     for kind in registry.COMPONENTS:
         lines.append(f"  {kind.ljust(width)}  {', '.join(registry.names(kind))}  ({chosen_by.get(kind, 'built in')})")

@@ -11,9 +11,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-from spider_titan.config.job_config import JobConfig
 from spider_titan.config.parse import parse
 from spider_titan.config.validate import validate
+from spider_titan.job_config import JobConfig
 
 
 class ConfigError(ValueError):

@@ -18,8 +18,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import tomli
 
-from spider_titan.components import registry
-from spider_titan.config.job_config import JobConfig
+from spider_titan import registry
+from spider_titan.job_config import JobConfig
 
 
 def sections() -> dict[str, type]:
@@ -276,6 +276,13 @@ def parse(argv: list[str]) -> tuple[JobConfig | None, list[str]]:
     if model_fields is not None:
         for key, (value, from_cli, origin) in raw_model_extra.items():
             if key not in model_fields:
+                retired = registry.get("model", cfg.model.name).retired_args.get(key)
+                if retired is not None:
+                    problems.append(
+                        f"{origin}: model.{key} has left {cfg.model.name} (last in commit {retired[1]}; "
+                        "docs/experiments.md has its measurements); remove it"
+                    )
+                    continue
                 problems.append(
                     f"{origin}: unknown key model.{key}; keys of [model]: name, flavor, converters, "
                     f"and the {cfg.model.name} args: {', '.join(model_fields)}"

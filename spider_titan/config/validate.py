@@ -7,11 +7,12 @@ problem at once. Rules that the parallel code also needs (degrees, expert split,
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
-from spider_titan.components import registry
-from spider_titan.config.job_config import JobConfig, Range
+from spider_titan import registry
 from spider_titan.config.parse import sections, show, table_keys
+from spider_titan.job_config import JobConfig, Range
 from spider_titan.optim.optimizers import parse_lr_multipliers, unmatched_prefixes
 from spider_titan.parallel.mesh import ParallelDims, experts_split_problem, fsdp_problems, use_fsdp
 
@@ -37,13 +38,22 @@ def range_problems(cfg: JobConfig) -> list[str]:
     """Every number field outside its declared :class:`Range`, or a float that is not finite."""
     problems = []
     for name, cls in sections().items():
-        hints = table_keys(name, cls)
-        for f in dataclasses.fields(cls):
-            if f.name not in hints:
-                continue
-            tp, value = hints[f.name], getattr(getattr(cfg, name), f.name)
-            if tp in (int, float) and not field_range(f).allows(value):
-                problems.append(f"{name}.{f.name} = {show(value)} is not allowed; use {field_range(f).describe(tp)}")
+        problems += out_of_range(name, getattr(cfg, name), table_keys(name, cls))
+    return problems
+
+
+def out_of_range(prefix: str, obj: Any, hints: dict[str, Any]) -> list[str]:
+    """The int and float fields of dataclass ``obj`` (those in ``hints``, name -> type) outside their
+    :class:`Range`, and its ``Literal`` fields outside their values, one line each as ``prefix.field``:
+    for the config's sections and the model's args alike."""
+    problems = []
+    for f in dataclasses.fields(obj):
+        tp = hints.get(f.name)
+        value = getattr(obj, f.name)
+        if tp in (int, float) and not field_range(f).allows(value):
+            problems.append(f"{prefix}.{f.name} = {show(value)} is not allowed; use {field_range(f).describe(tp)}")
+        elif typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
+            problems.append(f"{prefix}.{f.name} = {value!r} is not one of {list(typing.get_args(tp))}")
     return problems
 
 
@@ -59,6 +69,16 @@ def registry_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
+def model_args_problems(spec: Any, args: Any, prefix: str = "model") -> list[str]:
+    """Every problem of ``args``, model args of ``spec``: each field against its declared :class:`Range`
+    (``job_config.ranged`` in the args dataclass), then the rules between fields (the args'
+    ``validate()``), one line each as ``prefix.field``. The one check of model args: once per config
+    parse (:func:`model_args_and_problems`), and for args read from a file."""
+    problems = out_of_range(prefix, args, typing.get_type_hints(spec.args_cls))
+    check = getattr(args, "validate", None)
+    return problems + ([f"{prefix}.{p}" for p in check()] if check is not None else [])
+
+
 def model_args_and_problems(cfg: JobConfig) -> tuple[Any, list[str]]:
     """The model's args (flavor + [model] overrides), or None, and their problems."""
     if cfg.model.name not in registry.names("model"):
@@ -69,8 +89,7 @@ def model_args_and_problems(cfg: JobConfig) -> tuple[Any, list[str]]:
             f"model.flavor: {cfg.model.flavor!r} is not a flavor of {cfg.model.name}; choose one of {list(spec.flavors)}"
         ]
     args = spec.build_args(cfg.model.flavor, cfg.model.overrides)
-    check = getattr(args, "validate", None)
-    return args, [f"model.{p}" for p in check()] if check is not None else []
+    return args, model_args_problems(spec, args)
 
 
 def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from spider_titan.data.ingest import Progress
+from spider_titan.data.ingest import IngestProgress
 from spider_titan.data.shards import METADATA_NAME, ShardWriter, corpus_metadata, write_metadata
 from spider_titan.data.tokenizer import encode_bytes
 
@@ -109,7 +109,7 @@ def _build(folder: Path, stdlib: Path) -> dict:
     sources = _stdlib_sources(stdlib)
     # The source files' size (the help topics, ~1 MB, are left out) capped at MAX_TOKENS: enough for an ETA.
     expected = min(MAX_TOKENS, sum(p.stat().st_size for p in sources))
-    progress = Progress("built-in corpus", total_bytes=expected, every_s=PROGRESS_EVERY_S)
+    progress = IngestProgress("built-in corpus", total_bytes=expected, every_s=PROGRESS_EVERY_S)
     for index, data in enumerate(_documents(sources)):
         tokens = encode_bytes(data)
         if total + tokens.size > MAX_TOKENS:

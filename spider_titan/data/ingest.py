@@ -501,7 +501,7 @@ def _parquet_tasks(src: Source, key: str) -> Iterator[_ParquetTask]:
     rows = max(meta.num_rows, 1)
     done = 0
     for i in range(meta.num_row_groups):
-        # Progress counts the file's bytes in proportion to rows; the last group takes the rest.
+        # IngestProgress counts the file's bytes in proportion to rows; the last group takes the rest.
         share = src.size - done if i == meta.num_row_groups - 1 else src.size * meta.row_group(i).num_rows // rows
         done += share
         yield _ParquetTask(src.path, i, key, share)
@@ -569,7 +569,7 @@ def read_documents(inputs: Sequence[str | Path], *, text_key: str = "text") -> l
     return np.split(np.concatenate(pieces), bounds[1:]) if bounds.size else []
 
 
-class Progress:
+class IngestProgress:
     """Logs ``<what>: N docs, X of T MB (p%), R MB/s, ETA m:ss`` at most every ``every_s`` seconds.
 
     MB are input bytes as stored (compressed for .gz/.zst/Parquet), which is what the ETA needs.
@@ -683,7 +683,7 @@ def prepare_shards(
             writers,
             val_fraction,
             seed,
-            Progress("prepare_data", total_bytes=total, every_s=progress_s),
+            IngestProgress("prepare_data", total_bytes=total, every_s=progress_s),
         )
         names = ["<stdin>" if str(i) == STDIN else str(i) for i in inputs]
         if not documents["train"]:
@@ -752,7 +752,7 @@ def _write_split(
     writers: dict[str, ShardWriter],
     val_fraction: float,
     seed: int,
-    progress: Progress,
+    progress: IngestProgress,
 ) -> dict[str, int]:
     """Route every document of ``encoded`` to its split's writer; returns documents per split."""
     documents = {"train": 0, "val": 0}

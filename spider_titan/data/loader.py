@@ -1,7 +1,7 @@
 """Token datasets and the stateful, rank-aware loader that cuts them into training batches.
 
 A :class:`TokenDataset` is a list of token arrays (shard memmaps or in-memory documents) read as
-one concatenated stream. The four dataset builders registered in ``components/registry.py``
+one concatenated stream. The four dataset builders registered in ``registry.py``
 (``bytes``, ``text``, ``builtin``, ``mock``) share one signature,
 ``(path, *, split, seed) -> TokenDataset``.
 

@@ -4,67 +4,42 @@ The Spider module itself is ``self.model`` (``base_model_prefix``), so the expor
 (Spider's own FQNs) load as they are. ``forward`` returns the logits of every position (fp32 in
 the model's dtype) and, with labels, the mean next-byte loss. ``generate`` decodes with Spider's own
 cache (models/spider/decode.py) through ``past_key_values``: one byte's work per new byte.
-``from_pretrained`` refuses an export whose tensors are not the model's (transformers alone would
-initialise the missing ones at random, with only a warning), as scripts/generate.py does.
+The model block of config.json and the export's tensor names are read and checked by
+export_format.py, the checks spider_titan's own reader makes (checkpoint/export.py): ``from_pretrained``
+refuses an export whose tensors are not the model's (transformers alone would initialise the missing
+ones at random, with only a warning), as scripts/generate.py does.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
-import safetensors
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from spider_titan.export_format import CONFIG_FILE, check_tensor_names, export_tensor_names, read_model_block
 from spider_titan.hf.configuration_spider import SpiderConfig
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.decode import SpiderCache, decode, new_cache, unsupported
-from spider_titan.models.spider.model import Spider
-from spider_titan.protocol import lm_loss_mean
+from spider_titan.models.spider.model import SPIDER_SPEC, Spider
+from spider_titan.protocol import ModelSpec, lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
-WEIGHTS_FILE = "model.safetensors"  # the names checkpoint/export.py writes
-INDEX_FILE = "model.safetensors.index.json"
+
+def _spider_spec(name: str) -> ModelSpec:
+    """The spec of the one model this code builds; ValueError for any other name."""
+    if name != SPIDER_SPEC.name:
+        raise ValueError(f"unknown model {name!r}; this folder's code builds {SPIDER_SPEC.name!r}")
+    return SPIDER_SPEC
 
 
-def spider_args(config: SpiderConfig) -> SpiderArgs:
-    """The SpiderArgs of the config's ``model`` block (unknown keys are an error, as in spider_titan)."""
-    names = {f.name for f in dataclasses.fields(SpiderArgs)}
-    args = dict(config.model.get("args", {}))
-    unknown = sorted(set(args) - names)
-    if unknown:
-        raise ValueError(f"config.json: model.args has keys this code does not know: {unknown}")
-    return SpiderArgs(**args)
-
-
-def export_tensor_names(folder: Path) -> set[str] | None:
-    """The tensor names an export folder holds (from the safetensors headers or the shards' index, no
-    weights read); None when it holds neither file (transformers then says what it looked for)."""
-    if (folder / INDEX_FILE).is_file():
-        return set(json.loads((folder / INDEX_FILE).read_text())["weight_map"])
-    if (folder / WEIGHTS_FILE).is_file():
-        with safetensors.safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
-            return set(f.keys())
-    return None
-
-
-def check_tensor_names(where: object, expected: set[str], found: set[str]) -> None:
-    """ValueError naming ``where``, the missing and the extra tensors, unless ``found`` is ``expected``."""
-    missing, extra = sorted(expected - found), sorted(found - expected)
-
-    def few(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-    problems = [f"{len(missing)} of the model's {len(expected)} tensors missing ({few(missing)})"] if missing else []
-    problems += [f"{len(extra)} tensor(s) not in the model ({few(extra)})"] if extra else []
-    if problems:
-        raise ValueError(
-            f"{where}: {' and '.join(problems)}; the export is incomplete or from another model: "
-            "re-export it with scripts/export_safetensors.py"
-        )
+def spider_args(config: SpiderConfig, folder: Path | None = None) -> SpiderArgs:
+    """The SpiderArgs of the config's ``model`` block, read as spider_titan reads it
+    (export_format.read_model_block: fields added since filled in, retired ones dropped, every arg
+    checked); errors name ``folder``'s config.json (default: the config's own folder)."""
+    where = Path(folder or config.name_or_path or ".") / CONFIG_FILE
+    return read_model_block(config.model, _spider_spec, where)[1]
 
 
 class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
@@ -91,12 +66,13 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         folder = None if pretrained_model_name_or_path is None else Path(pretrained_model_name_or_path)
         if folder is not None and kwargs.get("subfolder"):
             folder = folder / kwargs["subfolder"]
+        # None without either weights file: transformers then says what it looked for
         names = export_tensor_names(folder) if folder is not None and folder.is_dir() else None
         if names is not None:
             if not isinstance(config, SpiderConfig):
                 config = cls.config_class.from_pretrained(folder)
             with torch.device("meta"):
-                expected = set(Spider(spider_args(config)).state_dict())
+                expected = set(Spider(spider_args(config, folder)).state_dict())
             check_tensor_names(folder, expected, names)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(

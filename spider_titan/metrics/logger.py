@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from spider_titan.config.job_config import Metrics
+from spider_titan.job_config import Metrics
 from spider_titan.protocol import FLOPS_PER_BYTE
 
 logger = logging.getLogger("spider_titan")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from spider_titan.config.job_config import Profiling
+from spider_titan.job_config import Profiling
 
 logger = logging.getLogger("spider_titan")
 

@@ -13,6 +13,9 @@ the router and the experts' grouped GEMM, and back:
 2. ``expand``     (autograd): gather x's rows into that buffer; padding rows are zero.
 3. ``reduce``     (autograd): per token, the fp32 sum over its k rows weighted by the gate weights;
    its backward gives the gradient to the expert outputs and to the gate weights.
+
+and, on the class, ``prepare(device)``: process-wide set-up that must happen before the first
+backend is built (the builder calls it once per run; Triton's CPU interpreter is switched on there).
 """
 
 from __future__ import annotations
@@ -59,9 +62,14 @@ class RoutingMap:
 
 
 class MoEBackend(Protocol):
-    """Routing-map / expand / reduce provider for a MoE layer."""
+    """Routing-map / expand / reduce provider for a MoE layer (the registry's ``moe_backend`` kind)."""
 
     name: str
+
+    @staticmethod
+    def prepare(device: torch.device) -> None:
+        """Process-wide set-up for a run on ``device``, before the first backend is built."""
+        ...
 
     def build_map(self, topk_idx: torch.Tensor, n_experts: int, align: int) -> RoutingMap: ...
 

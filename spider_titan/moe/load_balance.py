@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from spider_titan.config.job_config import MoE as MoEConfig
 from spider_titan.distributed import all_reduce_sum
+from spider_titan.job_config import MoE as MoEConfig
 from spider_titan.moe.layer import MoE
 
 logger = logging.getLogger("spider_titan")

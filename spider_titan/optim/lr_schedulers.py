@@ -1,7 +1,7 @@
 """Learning-rate schedules: linear warmup, then a decay chosen by ``lr_scheduler.decay_type``.
 
 Each decay is a function ``(progress in [0, 1], cfg) -> multiplier``, registered by name in
-``components/registry.py``; the builder looks the chosen one up once and hands it to
+``registry.py``; the builder looks the chosen one up once and hands it to
 :func:`build_lr_scheduler`, which wraps warmup + decay in a ``LambdaLR`` (a Stateful, so it
 checkpoints with the run).
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from spider_titan.config.job_config import LRScheduler
+from spider_titan.job_config import LRScheduler
 
 Decay = Callable[[float, LRScheduler], float]
 

@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import nn
 
-from spider_titan.config.job_config import Optimizer as OptimizerConfig
+from spider_titan.job_config import Optimizer as OptimizerConfig
 
 logger = logging.getLogger("spider_titan")
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from spider_titan.config.job_config import ActivationCheckpoint
+from spider_titan.job_config import ActivationCheckpoint
 from spider_titan.moe.routing_replay import RoutingReplay
 from spider_titan.protocol import ModelSpec
 

@@ -219,6 +219,13 @@ def apply_fsdp(
             module.set_gradient_divide_factor(gradient_divide_factor)
 
 
+def fsdp_wrapped(model: nn.Module) -> bool:
+    """Whether FSDP2 holds ``model`` (its root is a unit, as :func:`apply_fsdp` makes it): its
+    MixedPrecisionPolicy then casts the parameters for compute, so the train loop needs no autocast.
+    Asked of the model, not of the parallelize component's name."""
+    return isinstance(model, FSDPModule)
+
+
 def apply_forward_prefetch(units_in_order: list[tuple[str, nn.Module]], owners: Sequence[str]) -> list[tuple[str, str]]:
     """Explicit forward prefetch around each loop owner (the recurrent core): the unit before it
     prefetches the core, and the core the unit after it. Under expert parallel the core's MoE

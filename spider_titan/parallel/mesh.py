@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from spider_titan.config.job_config import Parallelism
+from spider_titan.job_config import Parallelism
 
 
 @dataclass(frozen=True)

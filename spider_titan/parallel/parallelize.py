@@ -9,7 +9,6 @@ to an already materialised model.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 
 import torch
@@ -17,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from spider_titan.config.job_config import Parallelism
 from spider_titan.distributed import differentiable_all_reduce_sum
+from spider_titan.job_config import Parallelism
 from spider_titan.moe.layer import MoE
 from spider_titan.parallel.comm_counter import CommCounter
 from spider_titan.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel, dropped_pairs_report
@@ -27,6 +26,11 @@ from spider_titan.parallel.mesh import ParallelDims, fsdp_problems, use_fsdp
 from spider_titan.protocol import ModelSpec, PostStepHook
 
 logger = logging.getLogger("spider_titan")
+
+
+def _loop_owners(spec: ModelSpec) -> list[str]:
+    """FQNs of the modules that run a recurrent container's loop (its parent; "" = the root)."""
+    return sorted({c.rpartition(".")[0] for c in spec.recurrent_containers})
 
 
 def fsdp_units(spec: ModelSpec, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -124,8 +128,6 @@ def apply_parallelism(
             hooks.append(dropped_pairs_report(model))
         expert_params = [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for p in m.parameters()]
         logger.info("expert parallel: experts of %d MoE layers sharded over %d ranks", n, dims.ep)
-        for owner in _loop_owners(spec):
-            _keep_looping_in_step(model.get_submodule(owner) if owner else model, owner or "root")
     if not fsdp:
         return hooks
     units = fsdp_units(spec, model)
@@ -175,30 +177,8 @@ def apply_global_batch_statistics(model: nn.Module, group: dist.ProcessGroup) ->
     so each loss is that of the global micro-batch and training does not depend on the number of
     ranks: every module with a ``reduce_stats`` slot gets a differentiable sum. The MoE layers'
     balance statistics (f_i, P_i, token count; Qiu et al. 2025, arXiv 2501.11873: one all-reduce of
-    2E+1 floats per MoE call in forward and one in backward) and, with ACT, the recurrent core's
-    ponder statistics (3 floats per forward). Returns the number of MoE layers."""
+    2E+1 floats per MoE call in forward and one in backward). Returns the number of MoE layers."""
     modules = [m for m in model.modules() if hasattr(m, "reduce_stats")]
     for module in modules:
         module.reduce_stats = functools.partial(differentiable_all_reduce_sum, group=group)
     return sum(isinstance(m, MoE) for m in modules)
-
-
-def _loop_owners(spec: ModelSpec) -> list[str]:
-    """FQNs of the modules that run a recurrent container's loop (its parent; "" = the root)."""
-    return sorted({c.rpartition(".")[0] for c in spec.recurrent_containers})
-
-
-def _keep_looping_in_step(owner: nn.Module, name: str) -> None:
-    """Under expert parallel every rank of an EP group must run the same number of loops: each
-    loop's MoE layers exchange tokens with all of them. An eval-time early exit (``early_exit``
-    keyword of the loop's forward) decides on local data only, so ranks could stop at different
-    loops and wait on each other forever. It is switched off; by the early-exit contract an
-    already-halted output does not change with more loops, so only the saved compute is lost."""
-    if "early_exit" not in inspect.signature(owner.forward).parameters:
-        return
-
-    def no_early_exit(module, args, kwargs):
-        return args, {**kwargs, "early_exit": False}
-
-    owner.register_forward_pre_hook(no_early_exit, with_kwargs=True)
-    logger.info("expert parallel: eval early exit of %s off (EP ranks must run the same loops)", name)

@@ -3,8 +3,9 @@
 Applied by the builder right after the model is built on the meta device (``model.converters``
 contains ``"float8"``, the one switch for fp8 training):
 
-- Linears whose FQN contains none of ``float8.filter_fqns`` and whose shapes fp8 matmuls accept
-  become ``torchao.float8.Float8Linear`` (recipe ``tensorwise`` or ``rowwise``). ``_scaled_mm``
+- Linears whose FQN contains none of the model's own skip list (``ModelSpec.float8_skip_fqns``: the
+  parts fp8 hurts or does not speed up) nor of ``float8.filter_fqns``, and whose shapes fp8 matmuls
+  accept, become ``torchao.float8.Float8Linear`` (recipe ``tensorwise`` or ``rowwise``). ``_scaled_mm``
   needs both matmul dims multiples of 16: the inner dim can be padded (``pad_inner_dim``), the
   output dim cannot; such a linear stays high precision (``fallback = "warn"``) or stops the run
   (``fallback = "error"``).
@@ -30,7 +31,8 @@ from types import MethodType
 import torch
 from torch import nn
 
-from spider_titan.config.job_config import Float8
+from spider_titan.job_config import Float8
+from spider_titan.protocol import ModelSpec
 
 logger = logging.getLogger("spider_titan")
 
@@ -97,9 +99,10 @@ def _shape_ok(mod: nn.Linear, pad_inner_dim: bool) -> bool:
     return mod.out_features % 16 == 0 and (pad_inner_dim or mod.in_features % 16 == 0)
 
 
-def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
-    """Convert ``model`` in place as the module docstring describes; returns the post-step hooks
-    (the fp8 all-gather's scale precompute, when on) for the builder to run after every optimizer step."""
+def apply_float8(model: nn.Module, spec: ModelSpec, cfg: Float8) -> list[Callable[[], None]]:
+    """Convert ``model`` (built from ``spec``) in place as the module docstring describes; returns the
+    post-step hooks (the fp8 all-gather's scale precompute, when on) for the builder to run after every
+    optimizer step."""
     ok, why = torchao_float8_available()
     if not ok:
         if cfg.fallback == "error":
@@ -109,11 +112,12 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
     check_fp8_capability()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    skip = list(dict.fromkeys([*spec.float8_skip_fqns, *cfg.filter_fqns]))
     report = Float8Report()
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
-        if any(f in fqn for f in cfg.filter_fqns):
+        if any(f in fqn for f in skip):
             report.skipped_by_filter.append(fqn)
         elif not _shape_ok(mod, cfg.pad_inner_dim):
             report.skipped_by_shape.append(f"{fqn} ({mod.in_features}->{mod.out_features})")
@@ -144,7 +148,7 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[Callable[[], None]]:
         cfg.recipe,
         len(report.converted),
         len(report.skipped_by_filter),
-        ", ".join(sorted({f for f in cfg.filter_fqns if any(f in s for s in report.skipped_by_filter)})),
+        ", ".join(sorted({f for f in skip if any(f in s for s in report.skipped_by_filter)})),
         f", {len(report.skipped_by_shape)} by shape: {', '.join(report.skipped_by_shape)}"
         if report.skipped_by_shape
         else "",

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spider_titan.config.job_config import Calibration
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.distributed import all_gather_cat
+from spider_titan.job_config import Calibration
 from spider_titan.parallel.fsdp import eval_pass
 from spider_titan.protocol import ModelSpec, window_cross_entropy
 from spider_titan.training.signals import StopSignal

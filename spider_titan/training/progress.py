@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import torch
 
-from spider_titan.config.job_config import Training
 from spider_titan.distributed import all_reduce_sum
+from spider_titan.job_config import Training
 from spider_titan.metrics.logger import Throughput, memory_gib, peak_flops
 from spider_titan.optim.lr_schedulers import FlopsBudget
 from spider_titan.protocol import FLOPS_PER_BYTE

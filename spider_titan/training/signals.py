@@ -1,6 +1,10 @@
 """Stop signals: SIGTERM / SIGINT (preemption, Ctrl-C) end the run at a step boundary with a
 checkpoint; a second signal, or one that cannot wait (start-up, the end-of-run export), ends it at
-once with one line and exit status 128 + the signal."""
+once with one line and exit status 128 + the signal.
+
+:class:`StopSignal` is the trainer's (the loop asks it at every step); :class:`ProgramSignals` holds
+the signals for the command line (``train.main``) before the trainer exists and after it has closed.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from spider_titan.training.progress import TrainState
 
 logger = logging.getLogger("spider_titan")
 
@@ -55,18 +62,17 @@ class StopSignal:
     that program's signals alone.
     """
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, *, second_line: Callable[[str], str] | None = None):
         self.signum: int | None = None  # the stop asked for, here or (after :meth:`requested`) on another rank
         self.received = 0  # signals this process got: another rank's does not make ours the second
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.previous = {}
         self.raise_at_once = False
-        self.second_line: Callable[[str], str] = lambda name: f"{name} received again: stopped at once"
+        # second_line(signal name): the line a second signal prints (:func:`second_signal_line`)
+        self.second_line = second_line or (lambda name: f"{name} received again: stopped at once")
 
-    def install(self, second_line: Callable[[str], str] | None = None) -> None:
-        """Handle SIGTERM and SIGINT; ``second_line(signal name)`` is the line a second signal prints."""
-        if second_line is not None:
-            self.second_line = second_line
+    def install(self) -> None:
+        """Handle SIGTERM and SIGINT (from the main thread; elsewhere signals cannot be handled)."""
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -100,6 +106,64 @@ class StopSignal:
         return bool(flag.item())
 
     def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+def second_signal_line(name: str, *, state: TrainState, checkpoints: Path | None, command: str) -> str:
+    """The line a second ``name`` signal prints as it ends the run at once: the step trained, and the
+    newest complete checkpoint in ``checkpoints`` (None: the run saves none) with ``command`` to resume."""
+    saved = (
+        f"the newest complete checkpoint in {checkpoints} is kept (a save in progress is not); resume with: {command}"
+        if checkpoints is not None
+        else "nothing saved"
+    )
+    return f"{name} received again: stopped at once after step {state.step}; {saved}"
+
+
+def closing(signum, frame) -> None:
+    """A signal while the run closes: end the process now (what the run saved is complete)."""
+    exit_now(
+        signum,
+        f"{signal.Signals(signum).name} received while closing the run: stopped at once; what it saved is complete",
+    )
+
+
+class ProgramSignals:
+    """SIGTERM / SIGINT for the command line, while the trainer's :class:`StopSignal` does not hold
+    them. During start-up a signal unwinds it (:class:`Interrupted` is raised: start-up removes what
+    it had begun; a second signal exits at once); once the trainer is built (:meth:`hand_over`) its
+    StopSignal stops at a step boundary, and when it has closed (:meth:`take_back`) a signal ends the
+    process at once in one line (no KeyboardInterrupt in the middle of a garbage collection).
+    ``install=False`` (a Trainer driven from Python: a test suite, a notebook) touches no handler."""
+
+    def __init__(self, *, install: bool):
+        self.enabled = install
+        self.built = False  # the trainer exists: a signal here may not unwind anything
+        self.previous = {sig: signal.signal(sig, self._start_up) for sig in STOP_SIGNALS} if install else {}
+
+    def _start_up(self, signum, frame) -> None:
+        if self.built:  # just built, or just closed (StopSignal.restore put this handler back)
+            closing(signum, frame)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once"))
+        raise Interrupted(signum)
+
+    def hand_over(self, stop: StopSignal) -> None:
+        """The trainer is built: its ``stop`` holds the signals until it closes (``StopSignal.restore``)."""
+        self.built = True
+        if self.enabled:
+            stop.install()
+
+    def take_back(self) -> None:
+        """The trainer has closed: from now on a signal ends the process at once (:func:`closing`)."""
+        if self.enabled:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, closing)
+
+    def restore(self) -> None:
+        """The program's own handlers again, as they were before."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from spider_titan.config.job_config import Validation
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.distributed import all_reduce_sum
+from spider_titan.job_config import Validation
 from spider_titan.metrics.logger import format_duration
 from spider_titan.parallel.fsdp import eval_pass
 from spider_titan.protocol import ModelSpec

@@ -8,9 +8,9 @@ import sys
 
 import torch
 
+from spider_titan import registry
 from spider_titan.checkpoint.export import full_model_state_dict, write_export
 from spider_titan.checkpoint.layout import ModelIdentity
-from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.generation import generate, load_model
 from tests.utils import REPO

@@ -5,6 +5,7 @@ fp32; transformers and lm_eval come with the ``hf`` extra (in the test extra).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -20,7 +21,7 @@ from spider_titan.checkpoint.export import write_export
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.generation import load_model
 from spider_titan.hf.bundle import bundled_source, flat_name, source_closure
-from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+from spider_titan.models.spider import SPIDER_FLAVORS, SPIDER_SPEC, Spider
 from spider_titan.vocab import BOS_ID
 
 transformers = pytest.importorskip("transformers")
@@ -81,9 +82,11 @@ def test_auto_classes_load_the_export_and_match_spider_titan(export, monkeypatch
 def test_the_export_holds_the_packages_own_sources(export):
     """No second copy that could drift: each bundled file is a package module with only its
     spider_titan imports made relative, and the folder holds exactly the model's import closure."""
-    modules = source_closure()
+    modules = source_closure(SPIDER_SPEC.hf_modules.modules)
     assert {f"{flat_name(m)}.py" for m in modules} == {p.name for p in export.glob("*.py")}
     assert "spider_titan.models.spider.model" in modules and "spider_titan.moe.layer" in modules
+    assert "spider_titan.export_format" in modules  # the checks spider_titan's own reader makes
+    assert not any(m.startswith(("spider_titan.checkpoint", "spider_titan.components")) for m in modules)
     for module in modules:
         bundled = (export / f"{flat_name(module)}.py").read_text()
         assert bundled == bundled_source(module)
@@ -117,6 +120,37 @@ def test_loading_an_export_leaves_the_packages_custom_ops_registered(export, mon
     torch.testing.assert_close(layer._grouped_mm_opaque(a, b, offs), want)
     for copy in copies:
         torch.testing.assert_close(copy._grouped_mm_opaque(a, b, offs), want)
+
+
+def test_the_bundled_code_reads_the_model_as_spider_titan_does(tmp_path, monkeypatch):
+    """The model block goes through the reader spider_titan uses (export_format.read_model_block): an
+    export older than a field of ``SPIDER_ADDED_ARGS`` builds the model it was saved as (transformers'
+    own defaults would build today's), and an unknown arg is refused in the same one line."""
+    from spider_titan.models.spider.args import SPIDER_ADDED_ARGS
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    key, then = next((k, v) for k, v in SPIDER_ADDED_ARGS.items() if v != getattr(SPIDER_FLAVORS["debug"], k))
+    args = dataclasses.replace(SPIDER_FLAVORS["debug"], **{key: then})
+    with torch.device("meta"):
+        model = Spider(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    out = write_export(
+        model.state_dict(), ModelIdentity.of("spider", "debug", args), tmp_path / "e", dtype=torch.float32
+    )
+    config = json.loads((out / "config.json").read_text())
+    del config["model"]["args"][key]
+    (out / "config.json").write_text(json.dumps(config))
+    hf, _ = _auto(out)
+    assert getattr(hf.model.args, key) == then == getattr(load_model(out)[0].args, key)
+    config["model"]["args"]["no_such_arg"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as hf_error:
+        _auto(out)
+    with pytest.raises(ValueError) as own_error:
+        load_model(out)
+    assert str(hf_error.value) == str(own_error.value) and "unknown 'no_such_arg'" in str(own_error.value)
 
 
 def _drop_first(tensors: dict) -> str:

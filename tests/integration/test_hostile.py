@@ -190,6 +190,12 @@ ROWS = [
     Row("wrong-types", SPIDER + WRONG_ARGS, 2, [WRONG_KEYS[0]], extra_lines=len(WRONG_KEYS) - 1),
     Row("unknown-key", SPIDER + ["--training.stepz", "3"], 2, ["training.stepz"]),
     Row("unknown-section", SPIDER + ["--trianing.steps", "3"], 2, ["trianing"]),
+    Row(
+        "retired-model-option",
+        SPIDER + ["--model.halting", "act"],
+        2,
+        ["--model.halting: model.halting has left spider (last in commit e0e7ffe", "remove it"],
+    ),
     Row("misspelt-backend", SPIDER + ["--moe.backend", "tritn"], 2, ["moe.backend", "tritn", "triton"]),
     Row(
         "misspelt-ac-mode",
@@ -1022,9 +1028,9 @@ def test_export_of_a_truncated_checkpoint_file(tmp_path, in_process, capsys):
 @pytest.fixture
 def export_dir(tmp_path):
     """An export of a freshly initialised one-layer dense model (no training needed)."""
+    from spider_titan import registry
     from spider_titan.checkpoint.export import full_model_state_dict, write_export
     from spider_titan.checkpoint.layout import ModelIdentity
-    from spider_titan.components import registry
     from spider_titan.components.builder import materialize
 
     spec = registry.get("model", "dense")

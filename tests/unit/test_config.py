@@ -11,8 +11,8 @@ import pytest
 import tomli
 
 from spider_titan.config.help import help_text, to_toml
-from spider_titan.config.job_config import JobConfig, Range
 from spider_titan.config.manager import ConfigError, parse_args
+from spider_titan.job_config import JobConfig, Range
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
@@ -144,7 +144,7 @@ def test_data_parallel_without_fsdp_is_refused():
 
 
 def test_help_lists_registered_names_for_registry_keys():
-    from spider_titan.components import registry
+    from spider_titan import registry
     from spider_titan.config.validate import REGISTRY_KEYS
 
     lines = help_text().splitlines()
@@ -167,7 +167,7 @@ def _model_row(text: str, model_name: str, key: str) -> list[str]:
 @pytest.mark.parametrize("model_name", ["spider", "dense"])
 def test_help_shows_every_model_arg_per_flavor(model_name):
     """Each arg of each registered model has one column per flavor holding the flavor's value."""
-    from spider_titan.components import registry
+    from spider_titan import registry
 
     spec = registry.get("model", model_name)
     text = help_text()
@@ -180,7 +180,7 @@ def test_help_shows_every_model_arg_per_flavor(model_name):
 
 
 def test_help_after_a_config_file_shows_its_resolved_values():
-    from spider_titan.components import registry
+    from spider_titan import registry
 
     path = str(REPO / "train_configs" / "debug_model.toml")
     cfg = parse_args(["--job.config_file", path], env={})
@@ -373,3 +373,23 @@ def test_a_config_file_that_is_not_utf8_is_one_config_error(tmp_path):
         parse_args(["--job.config_file", str(path)], env={})
     (line,) = info.value.problems
     assert line.startswith(f"job.config_file: {str(path)!r} is not UTF-8 text (byte 26: b'\\xe9')"), line
+
+
+def test_model_args_declare_ranges_as_config_fields_do():
+    """Model args fields declared with ``ranged()`` are checked by the config's one range check
+    (config.validate.out_of_range, run by model_args_and_problems) with the config's message."""
+    from spider_titan.config.validate import out_of_range
+    from spider_titan.job_config import ranged
+
+    @dataclasses.dataclass
+    class ToyArgs:
+        dim: int = ranged(8, low=1)
+        dropout: float = ranged(0.0, low=0, high=1, high_open=True)
+        name: str = "toy"
+
+    hints = typing.get_type_hints(ToyArgs)
+    assert out_of_range("model", ToyArgs(), hints) == []
+    assert out_of_range("model", ToyArgs(dim=0, dropout=1.0), hints) == [
+        "model.dim = 0 is not allowed; use an integer >= 1",
+        "model.dropout = 1.0 is not allowed; use a finite number in [0, 1)",
+    ]

@@ -19,16 +19,17 @@ import pytest
 import safetensors.torch
 import torch
 
+from spider_titan import registry
 from spider_titan.checkpoint.export import (
     INDEX_FILE,
     export_checkpoint,
     full_model_state_dict,
     load_export_tensors,
+    read_export,
     read_export_config,
     write_export,
 )
 from spider_titan.checkpoint.layout import ModelIdentity, compare_identity
-from spider_titan.components import registry
 from spider_titan.components.builder import materialize
 from spider_titan.config.manager import parse_args
 from spider_titan.generation import generate, load_model, sample_next
@@ -499,6 +500,29 @@ def test_make_sample_reads_the_run_of_config_and_args(trained):
     assert label == f"sample from {dump}/export (prompt 'def '):" and sample.startswith("def ")
 
 
+def test_the_reader_names_the_shard_of_an_extra_tensor_and_the_index_of_a_missing_one(tmp_path):
+    """``read_export`` checks the tensor names with the check the bundled Hugging Face code runs
+    (export_format.check_tensor_names), naming the file to look at: in a sharded export the shard that
+    holds an extra tensor, and the index when one is missing."""
+    model, args = dense_debug()
+    tensors = full_model_state_dict(model)
+    identity = ModelIdentity.of("dense", "debug", args)
+    extra = {**tensors, "extra.weight": torch.zeros(4)}
+    out = write_export(extra, identity, tmp_path / "e", dtype=torch.float32, max_shard_bytes=1 << 16)
+    shard = json.loads((out / INDEX_FILE).read_text())["weight_map"]["extra.weight"]
+    with pytest.raises(ValueError) as e:
+        read_export(out)
+    assert str(e.value).startswith(f"{out / shard}: 1 tensor(s) not in the model (extra.weight); "), e.value
+    dropped = sorted(tensors)[0]
+    out = write_export(
+        {k: v for k, v in tensors.items() if k != dropped}, identity, out, dtype=torch.float32, max_shard_bytes=1 << 16
+    )
+    with pytest.raises(ValueError) as e:
+        read_export(out)
+    assert str(e.value).startswith(f"{out / INDEX_FILE}: 1 of the model's {len(tensors)} tensors missing ({dropped})")
+    assert "\n" not in str(e.value)
+
+
 def spider_debug_export(tmp_path: Path, **overrides) -> tuple[torch.nn.Module, Path]:
     model, args = dense_debug("spider", **overrides)
     out = write_export(
@@ -544,7 +568,7 @@ import safetensors.torch
 import torch
 from spider_titan.checkpoint.export import full_model_state_dict, write_export
 from spider_titan.checkpoint.layout import ModelIdentity
-from spider_titan.components import registry
+from spider_titan import registry
 from spider_titan.components.builder import materialize
 
 def hang(tensors, filename, metadata=None):

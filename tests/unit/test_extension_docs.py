@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from spider_titan.components import registry
+from spider_titan import registry
 from spider_titan.train import main
 from tests.utils import REPO, check_ok, run_train, train_losses
 
@@ -168,7 +168,7 @@ def test_parallelism_example_matches_one_process(examples, tmp_path):
     """Two ranks of the page's data parallel against one process with the same global batch."""
     register_line = register_lines()["parallelize"]
     plugin = tmp_path / "sitecustomize.py"  # registers the component in every process torchrun starts
-    plugin.write_text(f"from spider_titan.components import registry\n{register_line}\n")
+    plugin.write_text(f"from spider_titan import registry\n{register_line}\n")
     # The dense baseline: it has no batch-level losses (Spider's balance and boundary statistics are
     # reduced over the data-parallel group by the shipped parallelize component, which ddp replaces).
     common = ["--job.config_file", "train_configs/debug_dense.toml", "--training.deterministic", "true", *SMALL]

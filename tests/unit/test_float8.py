@@ -18,8 +18,9 @@ def linears(model: nn.Module) -> dict[str, nn.Module]:
 @pytest.mark.parametrize("model_name", ["dense", "spider"])
 def test_converted_modules_follow_the_filter(model_name):
     cfg = parse_args(["--model.name", model_name], env={})
-    _, _, plain = build_model(cfg)
-    expected = {n for n, m in linears(plain).items() if not any(f in n for f in cfg.float8.filter_fqns)}
+    spec, _, plain = build_model(cfg)
+    skip = (*spec.float8_skip_fqns, *cfg.float8.filter_fqns)
+    expected = {n for n, m in linears(plain).items() if not any(f in n for f in skip)}
     assert expected, "the filter must leave something to convert"
 
     cfg = parse_args(["--model.name", model_name, "--model.converters", "float8"], env={})
@@ -41,6 +42,16 @@ def test_custom_filter_skips_more():
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert all(k == "Linear" for n, k in kinds.items() if "wq" in n or "lm_head" in n)
     assert any(k == "Float8Linear" for k in kinds.values())
+
+
+def test_the_models_own_skip_list_holds_with_an_empty_filter():
+    """``ModelSpec.float8_skip_fqns`` is the model's; ``float8.filter_fqns`` only adds to it."""
+    cfg = parse_args(["--model.name", "dense", "--model.converters", "float8", "--float8.filter_fqns", ""], env={})
+    assert cfg.float8.filter_fqns == []
+    spec, _, model = build_model(cfg)
+    assert spec.float8_skip_fqns == ("lm_head",)
+    assert type(model.get_submodule("lm_head")) is nn.Linear
+    assert type(model.get_submodule("layers.0.attention.wq")).__name__ == "Float8Linear"
 
 
 def test_unpaddable_dim_errors_or_skips_as_configured():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spider_titan.config.job_config import LRScheduler
+from spider_titan.job_config import LRScheduler
 from spider_titan.optim.lr_schedulers import FlopsBudget, cosine_decay, lr_multiplier
 from tests.utils import TINY_SPIDER, check_ok, read_metrics, run_train, train_losses
 

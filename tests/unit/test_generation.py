@@ -3,11 +3,13 @@ calibrated gain is 0 are left out, and the output stays bit for bit that of ever
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from spider_titan import generation
-from spider_titan.generation import effective_loops, generate
+from spider_titan import generation, registry
+from spider_titan.generation import effective_loops, generate, model_spec, uses_cache
 from spider_titan.models.spider import Spider
 from spider_titan.models.spider.decode import decode, new_cache
 from tests.unit.test_decode_cache import TEXT, _model
@@ -46,14 +48,26 @@ def test_effective_loops(gains, asked, runs):
     assert effective_loops(_calibrated(gains), asked) == runs
 
 
-def test_no_gains_act_halting_or_training_mode_keep_the_count():
-    """An export from before the gains (``extra_loop_gains`` off), ACT halting (which ignores them)
-    and a model in training mode (which does not apply them) run every loop asked for."""
-    assert effective_loops(_model(extra_loop_gains=False), 4) == 4
-    act = _model(halting="act")
-    act.core.extra_loop_gain.zero_()
-    assert effective_loops(act, 4) == 4
+def test_training_mode_and_models_without_the_rule_keep_the_count():
+    """A model in training mode (which does not apply the gains) runs every loop asked for, and so
+    does a model whose spec has no ``effective_loops`` (asked through the spec, not its class)."""
     assert effective_loops(_calibrated([0.0, 0.0]).train(), 4) == 4
+    spec = registry.get("model", "dense")
+    dense = spec.build_on_meta(spec.build_args("debug"))
+    assert model_spec(dense) is spec and spec.effective_loops is None and effective_loops(dense, 4) == 4
+    assert model_spec(_calibrated([0.0, 0.0])) is registry.get("model", "spider")
+
+
+def test_generation_decodes_with_the_decoder_its_spec_names(monkeypatch):
+    """The cached path is the spec's decoder (``ModelSpec.decoder``): a spec without one recomputes
+    the context for every byte, with the same bytes."""
+    model = _calibrated([0.5, 0.5])
+    spider = registry.get("model", "spider")
+    assert spider.cached_decoder().decode is decode and uses_cache(model, 64)
+    kw = dict(max_new_bytes=16, temperature=0.0)
+    cached = generate(model, b"def ", **kw)
+    monkeypatch.setattr(generation, "model_spec", lambda m: dataclasses.replace(spider, decoder=None))
+    assert not uses_cache(model, 64) and generate(model, b"def ", **kw) == cached
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

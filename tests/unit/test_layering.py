@@ -105,6 +105,35 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def folder_of(module: str) -> str:
+    """The package folder a module lives in, one level under the top (``spider_titan.models.spider.x`` ->
+    ``spider_titan.models``); a top-level module is a folder of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_problems(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Folders whose modules sit in more than one layer, and folder-level imports that run up a layer
+    or in a circle between two folders: counted folder to folder, as a reader of the tree sees it."""
+    by_folder: dict[str, set[int]] = {}
+    for module in graph:
+        layer = layer_of(module, layers)
+        if layer is not None and module != folder_of(module).split(".")[0]:
+            by_folder.setdefault(folder_of(module), set()).add(layer)
+    bad = [f"{folder} mixes layers {sorted(ls)}" for folder, ls in sorted(by_folder.items()) if len(ls) > 1]
+    edges = {
+        (folder_of(src), folder_of(dst))
+        for src, dsts in graph.items()
+        for dst in dsts
+        if folder_of(src) != folder_of(dst) and folder_of(src) in by_folder and folder_of(dst) in by_folder
+    }
+    for a, b in sorted(edges):
+        if max(by_folder[b]) > min(by_folder[a]):
+            bad.append(f"folder {a} imports folder {b} above it")
+        if (b, a) in edges and a < b:
+            bad.append(f"folders {a} and {b} import each other")
+    return bad
+
+
 LAYERS = read_layers(DOC.read_text())
 GRAPH = read_imports()
 
@@ -122,6 +151,21 @@ def test_every_listed_prefix_exists():
 def test_imports_run_downward():
     bad = upward_imports(GRAPH, LAYERS)
     assert not bad, "imports that run up a layer:\n" + "\n".join(bad)
+
+
+def test_folders_match_the_layers():
+    """Every folder holds one layer, and no folder imports a folder above it or one that imports it back."""
+    bad = folder_problems(GRAPH, LAYERS)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_folder_check_catches_a_contract_inside_an_assembler_folder():
+    layers = {"p.cfg.contract": 1, "p.cfg.assemble": 4, "p.models": 3}
+    graph = {"p.cfg.contract": set(), "p.cfg.assemble": {"p.models"}, "p.models": {"p.cfg.contract"}}
+    assert any("p.cfg mixes layers [1, 4]" in b for b in folder_problems(graph, layers))
+    assert any("folder p.models imports folder p.cfg above it" in b for b in folder_problems(graph, layers))
+    fixed = {"p.contract": 1, "p.cfg": 4, "p.models": 3}
+    assert folder_problems({"p.contract": set(), "p.cfg": {"p.models"}, "p.models": {"p.contract"}}, fixed) == []
 
 
 def test_no_import_cycle():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from spider_titan.moe.base import max_rows
+from spider_titan import registry
+from spider_titan.moe.base import MoEBackend, max_rows
 from spider_titan.moe.layer import GroupedExperts, MoE
 from spider_titan.moe.python_loop import python_loop_moe
 from spider_titan.moe.torch_backend import TorchMoEBackend
@@ -335,3 +338,14 @@ def test_python_loop_runs_in_autocast_dtype(monkeypatch):
         got = python_loop_moe(x, idx, w, e.w1, e.w3, e.w2)
     assert seen and set(seen) == {torch.bfloat16} and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("name", registry.names("moe_backend"))
+def test_every_registered_backend_has_what_the_protocol_names(name):
+    """The registry's moe_backend entries implement moe.base.MoEBackend, the static ``prepare`` the
+    builder calls on the class included."""
+    cls = registry.get("moe_backend", name)
+    members = {m for m in vars(MoEBackend) if not m.startswith("_")} | set(MoEBackend.__annotations__)
+    assert members >= {"name", "prepare", "build_map", "expand", "reduce"}
+    assert sorted(m for m in members if not hasattr(cls, m)) == []
+    assert isinstance(inspect.getattr_static(cls, "prepare"), staticmethod)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from spider_titan.components.builder import build_model, materialize
-from spider_titan.config.manager import parse_args
+from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.metrics.memory import count_live_activation_bytes
-from spider_titan.plan import GIB, PlanOptions, main, make_plan, measure_activation_bytes, split_plan_args
+from spider_titan.plan import GIB, PlanOptions, main, make_plan, measure_activation_bytes, parse_plan_args
 from tests.utils import REPO
 
 B, T = 2, 128
@@ -66,15 +66,42 @@ def test_learned_segmentation_is_planned_at_the_target_rate():
     "argv,message",
     [
         ([], "--ngpu: required"),
-        (["--ngpu", "0"], "--ngpu: 0 must be >= 1"),
-        (["--ngpu", "8", "--mfu", "40"], "--mfu: 40.0 must be in (0, 1]"),
-        (["--ngpu", "eight"], "--ngpu: 'eight' is not an integer"),
+        (["--ngpu", "0"], "--ngpu 0 is not allowed; use an integer >= 1"),
+        (["--ngpu", "8", "--mfu", "40"], "--mfu 40.0 is not allowed; use a finite number in (0, 1]"),
+        (["--ngpu", "eight"], "--ngpu: expected an integer, got 'eight'"),
+        (["--ngpu"], "--ngpu: missing value"),
+        (["--ngpu", "8", "--plan.mfuu", "0.3"], "--plan.mfuu: unknown plan flag"),
     ],
 )
 def test_bad_plan_flags_are_one_line(argv, message):
-    with pytest.raises(ValueError) as e:
-        split_plan_args(argv)
-    assert message in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_plan_args(argv)
+    assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0], e.value.problems
+    assert message in e.value.problems[0]
+
+
+def test_plan_flags_parse_like_config_keys():
+    """``--key value``, ``--key=value`` and ``--plan.key value``, typed and ranged by the PlanOptions
+    dataclass; the rest of the command line is the training config."""
+    opts, cfg = parse_plan_args(["--ngpu=4", "--plan.mfu", "0.3", "--peak_tflops", "none", "--training.steps", "7"])
+    assert opts == PlanOptions(ngpu=4, mfu=0.3) and cfg.training.steps == 7
+    assert parse_plan_args(["--plan.ngpu=2", "--gpu_memory_gib", "40"])[0] == PlanOptions(ngpu=2, gpu_memory_gib=40.0)
+
+
+def test_plan_and_config_problems_are_reported_together(capsys):
+    """Every problem of the plan's flags and of the config, once each, one line each."""
+    assert main(["--ngpu", "8", "--mfu", "2", "--training.steps", "x", "--model.nope", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("config error: ") for line in err), err
+    assert "--mfu 2.0 is not allowed" in err[0] and "training.steps" in err[1] and "model.nope" in err[2]
+
+
+def test_help_lists_the_plan_flags_from_their_docstrings(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m spider_titan.plan" in out
+    assert "--ngpu (int >= 1): GPUs (ranks) to plan for; required." in out
+    assert "--mfu (float in (0, 1], default 0.4): Model FLOPs utilisation" in out
 
 
 def test_cli_reports_a_config_problem_in_one_line(capsys):

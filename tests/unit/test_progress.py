@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spider_titan.config.job_config import Training
+from spider_titan.job_config import Training
 from spider_titan.optim.lr_schedulers import FlopsBudget
 from spider_titan.training.progress import Progress, TrainState
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.config.job_config import Validation
 from spider_titan.data.loader import ByteDataLoader, TokenDataset
+from spider_titan.job_config import Validation
 from spider_titan.protocol import ModelOutput, ModelSpec
 from spider_titan.training import validation
 from spider_titan.training.signals import StopSignal

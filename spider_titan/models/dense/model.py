@@ -151,4 +151,5 @@ DENSE_SPEC = ModelSpec(
     model_cls=DenseModel,
     block_containers=("layers",),
     flops_per_token=dense_flops_per_token,
+    float8_skip_fqns=("lm_head",),  # the output projection stays high precision
 )

@@ -1,0 +1,109 @@
+"""The safetensors export's format as its writer and every reader share it: file names, the model
+block of config.json, and the tensor-name check.
+
+    <export>/config.json         {"model": {"name", "flavor", "args"}, ...} (checkpoint/export.py writes it)
+    <export>/model.safetensors   every tensor under its FQN; above the shard size instead
+    <export>/model-0000i-of-0000K.safetensors + model.safetensors.index.json  (``weight_map``: FQN -> file)
+
+checkpoint/export.py writes an export and reads one back whole (``read_export``, for generation);
+the Hugging Face classes bundled into an export (hf/) read the model and the tensor names here too,
+so both check the same things with the same one-line errors. This module imports neither the
+registry nor any model: a reader hands in how it finds a spec by name, and the bundled copy of this
+file works where only torch and transformers are installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors
+
+from spider_titan.protocol import ModelSpec
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+REEXPORT = "re-export it with scripts/export_safetensors.py"
+
+
+def read_model_block(model: Any, spec_of: Callable[[str], ModelSpec], where: object) -> tuple[ModelSpec, Any]:
+    """(spec, args dataclass) of config.json's ``model`` block, checked key by key: its shape, the
+    name (``spec_of`` raises ValueError for one it does not know), the flavor, and every arg against
+    the flavor's (unknown, missing, wrong type), after ``ModelSpec.saved_args`` has filled in the
+    fields added since and dropped the retired ones. ValueError naming ``where`` otherwise."""
+    if not isinstance(model, dict) or not all(
+        isinstance(model.get(k), t) for k, t in (("name", str), ("flavor", str), ("args", dict))
+    ):
+        raise ValueError(
+            f"{where}: 'model' must hold 'name' and 'flavor' (strings) and 'args' (an object); restore it or {REEXPORT}"
+        )
+    name, flavor = model["name"], model["flavor"]
+    try:
+        spec = spec_of(name)
+    except ValueError as e:
+        raise ValueError(f"{where}: model.name: {e}") from None
+    if flavor not in spec.flavors:
+        raise ValueError(
+            f"{where}: model.flavor {flavor!r} is not a flavor of {name!r}; choose one of {list(spec.flavors)}"
+        )
+    try:
+        args = spec.saved_args(model["args"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    reference = spec.flavors[flavor]
+    known = {f.name for f in dataclasses.fields(reference)}
+    problems = [f"unknown {k!r}" for k in sorted(set(args) - known)]
+    problems += [f"missing {k!r}" for k in sorted(known - set(args))]
+    for key in sorted(set(args) & known):
+        expected, value = getattr(reference, key), args[key]
+        if expected is None or value is None:
+            continue
+        if isinstance(expected, bool) or isinstance(value, bool):
+            ok = isinstance(expected, bool) and isinstance(value, bool)
+        elif isinstance(expected, float):
+            ok = isinstance(value, (int, float))
+        elif isinstance(expected, (list, tuple)):
+            ok = isinstance(value, list)
+        else:
+            ok = isinstance(value, type(expected))
+        if not ok:
+            problems.append(f"{key!r} is {value!r}, expected a {type(expected).__name__}")
+    if problems:
+        raise ValueError(f"{where}: model.args: {'; '.join(problems)}; restore it or {REEXPORT}")
+    try:
+        return spec, spec.args_cls(**args)
+    except Exception as e:  # args of the right types that the args class itself refuses
+        raise ValueError(
+            f"{where}: model.args build no {name!r} model ({type(e).__name__}: {e}); restore it or {REEXPORT}"
+        ) from None
+
+
+def export_tensor_names(folder: Path) -> set[str] | None:
+    """The tensor names an export folder holds (from the shards' index or the safetensors header, no
+    weights read); None when it holds neither file."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        return set(json.loads((folder / INDEX_FILE).read_text())["weight_map"])
+    if (folder / WEIGHTS_FILE).is_file():
+        with safetensors.safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+            return set(f.keys())
+    return None
+
+
+def check_tensor_names(where: object, expected: set[str], found: set[str]) -> None:
+    """ValueError naming ``where``, the missing and the extra tensors, unless ``found`` is ``expected``."""
+    missing, extra = sorted(expected - found), sorted(found - expected)
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    problems = [f"{len(missing)} of the model's {len(expected)} tensors missing ({few(missing)})"] if missing else []
+    problems += [f"{len(extra)} tensor(s) not in the model ({few(extra)})"] if extra else []
+    if problems:
+        raise ValueError(
+            f"{where}: {' and '.join(problems)}; the export is incomplete or from another model: {REEXPORT}"
+        )
