@@ -9,6 +9,9 @@ Other scenarios (one MoE layer, activation memory, checkpoint I/O) are functions
 SCENARIOS. Scenarios given together run in this one process, one after the other, so a ratio
 compares like with like on the same machine. ``--markdown FILE`` appends the command, the machine
 and the results to FILE.
+
+``python scripts/benchmark.py gpu_1b [--help]`` is the GPU harness of Spider 1B against dense 1B
+(scripts/bench_gpu.py): its own flags, one markdown table and one JSON.
 """
 
 from __future__ import annotations
@@ -23,17 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 # name -> (config file, overrides)
 TRAIN_SCENARIOS: dict[str, tuple[str, list[str]]] = {
     "dense_debug": ("train_configs/debug_dense.toml", []),
     "spider_debug": ("train_configs/debug_model.toml", []),
     "spider_debug_compiled": ("train_configs/debug_model.toml", ["--training.compile", "true"]),
-    # the core on every row padded to the largest segment count (beside spider_debug: what packing saves)
-    "spider_debug_padded": ("train_configs/debug_model.toml", ["--model.pack_segments", "false"]),
 }
 
 # name -> function(args) -> dict of results
@@ -175,7 +174,7 @@ def moe_layer(args: argparse.Namespace) -> dict:
                     _, idx, w = layer.route(x)
                     return python_loop_moe(x, idx, w, *per_expert)
             else:
-                from spider_titan.components import registry
+                from spider_titan import registry
 
                 layer.backend = registry.get("moe_backend", name)()
                 forward = lambda: layer(x)[0]
@@ -258,15 +257,15 @@ def pooling_memory(args: argparse.Namespace) -> dict:
     def dense(x, y, seg):  # the pre-2026-11-23 pooling
         S = seg.num_segments
         member = seg.seg_id[:, None, :] == torch.arange(S)[None, :, None]
-        w = member.float() * (1.0 + seg.ste[:, None, :])
+        w = member.float()
         w = w / w.sum(-1, keepdim=True).clamp(min=1.0)
         prev = (seg.seg_id[:, :, None] - 1) == torch.arange(S)[None, None, :]
-        return torch.bmm(w, x), torch.bmm(prev.float() * (1.0 + seg.ste[:, :, None]), y)
+        return torch.bmm(w, x), torch.bmm(prev.float(), y)
 
     torch.manual_seed(0)
     T, D = 4096, 2048
     ids = torch.randint(0, 256, (1, T))
-    seg = segment_bytes(torch.randn(1, T), ids, training=False, temperature=0.5, max_segment_bytes=16)
+    seg = segment_bytes(torch.randn(1, T), ids, max_segment_bytes=16)
     x = torch.randn(1, T, D, requires_grad=True)
     y = torch.randn(1, seg.num_segments, D, requires_grad=True)
     out = {"shape": f"T {T}, S {seg.num_segments}, dim {D}, fp32"}
@@ -367,7 +366,7 @@ def _core_block_live_bytes(block, args, *, seq: int) -> int:
 def comm(args: argparse.Namespace) -> dict:
     """Bytes all-gathered / reduce-scattered / all-to-all'd per step on 2 gloo ranks: core bytes
     vs n_loops, fp8 vs bf16 all-gather, expert parallel (scripts/bench_comm.py)."""
-    from scripts.bench_comm import benchmark_comm
+    from bench_comm import benchmark_comm
 
     return benchmark_comm(args)
 
@@ -422,7 +421,7 @@ def generate_speed(args: argparse.Namespace) -> dict:
 def ep_capacity(args: argparse.Namespace) -> dict:
     """Expert-parallel all-to-all bytes and dropped pairs: dynamic vs fixed-capacity dispatch at several
     capacity factors, on 2 gloo ranks training the debug model (scripts/bench_comm.py)."""
-    from scripts.bench_comm import benchmark_ep_capacity
+    from bench_comm import benchmark_ep_capacity
 
     return benchmark_ep_capacity(args)
 
@@ -431,14 +430,20 @@ def ep_capacity(args: argparse.Namespace) -> dict:
 def checkpoint_io(args: argparse.Namespace) -> dict:
     """DCP save/load time and size for the debug flavors, and the 1B flavors estimated from a
     meta-device model and the measured disk bandwidth (scripts/bench_checkpoint.py)."""
-    from scripts.bench_checkpoint import benchmark_checkpoint_io
+    from bench_checkpoint import benchmark_checkpoint_io
 
     return benchmark_checkpoint_io(args)
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["gpu_1b"]:  # the GPU harness has its own command line (bench_gpu.py)
+        from bench_gpu import main as gpu_1b
+
+        return gpu_1b(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="+", help=f"one or two of: {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}")
+    parser.add_argument(
+        "scenarios", nargs="+", help=f"one or two of: {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}, or gpu_1b alone"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps (training scenarios)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--set", action="append", help="override for training scenarios, e.g. training.seq_len=1024")

@@ -1,0 +1,384 @@
+"""The GPU harness of Spider 1B against dense 1B: one command, one markdown table and one JSON.
+
+    python scripts/benchmark.py gpu_1b --out outputs/gpu_1b                # one H100/H200, at most ~8 minutes
+    python scripts/benchmark.py gpu_1b --reduced --compile false --out DIR # the same code path at tiny shapes (CPU)
+
+Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on mock data, one micro-batch of
+``--batch`` x ``--seq`` bytes, no validation or checkpoints): ``dense_1b`` (bf16, activation checkpointing off),
+``spider_1b`` (the shipped config: bf16, Triton MoE, recurrent AC, bucket 64) and ``spider_1b_fp8`` (the
+float8 converter; skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts
+at steady-state segmentation: before any timed step its boundary predictor's threshold is fitted to the
+target rate on the run's own first batch by the boundary loss alone (``warm_router``), so the timed steps
+see ~4 bytes per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
+
+Per row: bytes/s, TFLOP/s and MFU by the trainer's own FLOPs count (Spider's ``aux["flops_per_byte"]``:
+the segments and loops actually run), peak memory, compile time (the first step), recompiles with
+their reasons, the slowest step against the median, and from one profiled step the kernels launched
+(CPU: the ops dispatched), the device-busy fraction, the top kernels, and the time of each part of the
+forward (named ranges ``spider.*``: byte blocks, segmentation and pooling, core, dechunk and head; the
+optimizer step) beside its share of the FLOPs. A row stops taking steps once it has used its time
+budget (``--budget_s``), so a slow row cannot eat the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from spider_titan.vocab import PAD_ID
+
+CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "spider_1b.toml"
+# Reduced width, the real structure: blocks, loops, experts and top-k of the 1B flavors, every width small.
+REDUCED_SPIDER = {
+    "dim": 64,
+    "n_heads": 2,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "inter_dim": 128,
+    "moe_inter_dim": 32,
+    "engram_buckets": 256,
+    "engram_dim": 16,
+    "lora_rank": 4,
+}
+REDUCED_DENSE = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "inter_dim": 128}
+# The forward's named ranges (Spider.forward) and the FLOPs parts (models/spider/flops.py) each covers.
+COMPONENTS = {
+    "spider.byte_blocks": ("byte_blocks", "byte_attention_scores"),
+    "spider.segmentation": ("boundary_predictor",),
+    "spider.core": (
+        "core_attention_proj",
+        "core_attention_scores",
+        "core_lora",
+        "moe_router",
+        "moe_experts",
+        "engram",
+        "inject_up_proj",
+    ),
+    "spider.dechunk_head": ("dechunk_smoothing", "residual_proj", "lm_head"),
+}
+
+
+def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(name, trainer overrides) of every row."""
+    base = [
+        "--job.config_file",
+        str(CONFIG),
+        "--training.dataset",
+        "mock",
+        "--training.target_tokens",
+        "0",
+        "--training.gradient_accumulation_steps",
+        "1",
+        "--training.local_batch_size",
+        str(args.batch),
+        "--training.seq_len",
+        str(args.seq),
+        "--training.compile",
+        str(args.compile).lower(),
+        "--validation.enable",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--checkpoint.export_at_end",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.enable_jsonl",
+        "false",
+    ]
+    if not torch.cuda.is_available():  # CPU: fp32, the torch MoE (Triton's interpreter is minutes per step)
+        base += ["--training.mixed_precision_param", "float32", "--moe.backend", "torch"]
+    spider = [f"--model.{k}={v}" for k, v in REDUCED_SPIDER.items()] if args.reduced else []
+    dense = [f"--model.{k}={v}" for k, v in REDUCED_DENSE.items()] if args.reduced else []
+    dense_row = base + ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
+    out = [("dense_1b", dense_row + dense), ("spider_1b", base + spider)]
+    if not args.no_fp8:
+        out.append(("spider_1b_fp8", base + spider + ["--model.converters", "float8", "--float8.fallback", "error"]))
+    return out
+
+
+def warm_router(trainer, steps: int = 200, lr: float = 0.05) -> float:
+    """Fit the boundary predictor's threshold on the trainer's next batch by the boundary loss alone
+    (Adam on the threshold, every other weight untouched) until the batch's bytes per segment is inside
+    the ratio loss's band; the bytes per segment reached. Shapes of a run past its first hundred steps,
+    without training the rest of the model."""
+    model = trainer.run.model
+    predictor = getattr(model, "boundary_predictor", None)
+    if predictor is None:
+        return float("nan")
+    a, chunker = model.args, model.chunker
+    ids = trainer.next_micro_batches()[0][0]
+    threshold = predictor.threshold
+    opt = torch.optim.Adam([threshold], lr=lr)
+    low, high = a.target_bytes_per_segment * (1 - a.boundary_band), a.target_bytes_per_segment * (1 + a.boundary_band)
+    with torch.no_grad():
+        x = model.prelude(model.embed_tokens(ids), _freqs(model, ids))
+    rate = float("nan")
+    for _ in range(steps):
+        seg = chunker.segment(chunker.logits(predictor, x), ids)
+        rate = float((ids != PAD_ID).sum()) / max(float(seg.seg_real.sum()), 1.0)
+        if low <= rate <= high:
+            break
+        opt.zero_grad()
+        chunker.loss(seg).backward()
+        opt.step()
+    return rate
+
+
+def _freqs(model, ids: torch.Tensor) -> torch.Tensor:
+    from spider_titan.models.common import rope_frequencies
+
+    a = model.args
+    return rope_frequencies(a.qk_rope_head_dim, ids.shape[1], a.rope_theta, device=ids.device)
+
+
+class _Recompiles(logging.Handler):
+    """Dynamo's recompile messages (their reasons), while the row runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage().splitlines()[0][:200])
+
+
+def profile_step(trainer, step: int) -> dict:
+    """One profiled training step: kernels (CUDA) or top-level ops (CPU: aten ops not inside another)
+    launched, the device-busy fraction, the top kernels, and the time each named range (``spider.*``,
+    the optimizer step) took: on CUDA the kernels launched inside it, on CPU its wall time. Read from
+    the profiler's raw events (building its Python event tree costs ~100 us an op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.run.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    batches = trainer.next_micro_batches()
+    with profile(activities=activities) as prof:
+        metrics = trainer.train_step(batches, step)
+        float(metrics["ce_sum"])
+    events = prof.profiler.kineto_results.events()
+    host = sorted(
+        (e for e in events if e.device_type() == torch.autograd.DeviceType.CPU),
+        key=lambda e: (e.start_ns(), -e.duration_ns()),
+    )
+    ranges = [(e.start_ns(), e.end_ns(), _range_name(e.name())) for e in host if _range_name(e.name())]
+    top, per_range = Counter(), Counter()
+    if cuda:
+        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+        launches = {e.correlation_id(): e.start_ns() for e in host if e.name().startswith(("cuda", "cu"))}
+        spans = sorted((k.start_ns(), k.end_ns()) for k in kernels)
+        busy, end = 0, -1
+        for start, stop in spans:  # the union of the kernels' intervals
+            busy += max(0, stop - max(start, end))
+            end = max(end, stop)
+        span = spans[-1][1] - spans[0][0] if spans else 0
+        for k in kernels:
+            top[k.name()[:80]] += k.duration_ns()
+            launched_at = launches.get(k.correlation_id())
+            for name in _containing(ranges, launched_at):
+                per_range[name] += k.duration_ns()
+        launched, busy_fraction = len(kernels), round(busy / span, 3) if span else None
+    else:
+        ops, open_until = [], []  # host ops nest by time on one thread: an aten op inside an aten op is not counted
+        for e in host:
+            while open_until and open_until[-1] <= e.start_ns():
+                open_until.pop()
+            if e.name().startswith("aten::"):
+                if not open_until:
+                    ops.append(e)
+                open_until.append(e.end_ns())
+        for e in ops:
+            top[e.name()] += e.duration_ns()
+        for start, stop, name in ranges:
+            per_range[name] += stop - start
+        launched, busy_fraction = len(ops), None
+    return {
+        "launched": launched,
+        "busy_fraction": busy_fraction,
+        "top": [(name, round(ns / 1e6, 3)) for name, ns in top.most_common(10)],
+        "ranges_ms": {k: round(v / 1e6, 3) for k, v in sorted(per_range.items())},
+    }
+
+
+def _range_name(name: str) -> str | None:
+    """The range a host event opens (a named range of the forward, or the optimizer step), or None."""
+    if name.startswith("spider."):
+        return name
+    return "optimizer" if name.startswith("Optimizer.step#") else None
+
+
+def _containing(ranges: list[tuple[int, int, str]], at: int | None) -> set[str]:
+    """The names of the ranges open at time ``at``."""
+    if at is None:
+        return set()
+    return {name for start, stop, name in ranges if start <= at <= stop}
+
+
+def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
+    from spider_titan.config.manager import parse_args
+    from spider_titan.metrics.logger import peak_flops
+    from spider_titan.train import Trainer
+
+    total_steps = args.warmup + args.steps + 1
+    argv = overrides + ["--training.steps", str(total_steps), "--job.dump_folder", str(Path(args.out) / name)]
+    started = time.perf_counter()
+    try:
+        cfg = parse_args(argv)
+        trainer = Trainer(cfg)
+    except Exception as e:  # noqa: BLE001 (a row that cannot run is reported, the others go on)
+        return {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    recompiles = _Recompiles()
+    dynamo_log = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    dynamo_log.addHandler(recompiles)
+    result: dict = {}
+    try:
+        run = trainer.run
+        cuda = run.device.type == "cuda"
+        rate = warm_router(trainer)
+        if rate == rate:
+            result["warm_bytes_per_segment"] = round(rate, 2)
+        tokens = cfg.training.local_batch_size * cfg.training.seq_len
+        times, flops_per_byte, bps = [], [], []
+        for step in range(1, args.warmup + args.steps + 1):
+            if time.perf_counter() - started > args.budget_s:
+                result["budget_hit"] = f"stopped after {step - 1} steps ({args.budget_s:g} s)"
+                break
+            batches = trainer.next_micro_batches()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(batches, step)
+            float(metrics["ce_sum"])  # wait for the step
+            dt = time.perf_counter() - t0
+            if step == 1:
+                result["compile_s"] = round(dt, 2)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            if step > args.warmup:
+                times.append(dt)
+                fpb = metrics.get("aux.flops_per_byte")
+                flops_per_byte.append(
+                    float(fpb) if fpb is not None else run.spec.flops_per_token(run.model_args, cfg.training.seq_len)
+                )
+                bpseg = metrics.get("aux.bytes_per_segment")
+                if bpseg is not None:
+                    bps.append(float(bpseg))
+        if times:
+            median = statistics.median(times)
+            fpb = statistics.fmean(flops_per_byte)
+            peak = peak_flops(run.device)
+            result.update(
+                bytes_per_s=round(tokens / median, 1),
+                step_s={"median": round(median, 4), "max": round(max(times), 4)},
+                slowest_over_median=round(max(times) / median, 2),
+                tflops=float(f"{fpb * tokens / median / 1e12:.4g}"),
+                mfu=None if peak is None else round(fpb * tokens / median / peak, 4),
+                flops_per_byte=round(fpb, 1),
+            )
+            if bps:
+                result["bytes_per_segment"] = round(statistics.fmean(bps), 2)
+            if cuda:
+                result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if time.perf_counter() - started < args.budget_s:
+                result["profile"] = profile_step(trainer, args.warmup + args.steps + 1)
+        result["recompiles"] = [m for m in recompiles.messages if m.startswith("Recompiling")]
+        result["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if "profile" in result and name.startswith("spider"):
+            result["flops_share"] = flops_shares(run.model_args, cfg.training.seq_len, result.get("bytes_per_segment"))
+    finally:
+        dynamo_log.removeHandler(recompiles)
+        torch._logging.set_logs()
+        trainer.close()
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def flops_shares(args, seq_len: int, bytes_per_segment: float | None) -> dict[str, float]:
+    """Each named range's share of the training FLOPs (models/spider/flops.py's parts)."""
+    from spider_titan.models.spider.flops import spider_flops_breakdown
+
+    parts = spider_flops_breakdown(args, seq_len, bytes_per_segment=bytes_per_segment)
+    total = sum(parts.values())
+    return {rng: round(sum(parts.get(p, 0.0) for p in names) / total, 3) for rng, names in COMPONENTS.items()}
+
+
+def table(report: dict) -> str:
+    """The markdown table of the rows, then each profiled row's parts."""
+    head = (
+        "| row | bytes/s | TFLOP/s | MFU | peak GiB | compile s | slowest/median | recompiles | kernels/step | busy |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for name, r in report["rows"].items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} |" + " |" * 8)
+            continue
+        p = r.get("profile", {})
+        lines.append(
+            f"| {name} | {r.get('bytes_per_s', '-')} | {r.get('tflops', '-')} | {r.get('mfu', '-')} | "
+            f"{r.get('peak_memory_gib', '-')} | {r.get('compile_s', '-')} | {r.get('slowest_over_median', '-')} | "
+            f"{len(r.get('recompiles', []))} | {p.get('launched', '-')} | {p.get('busy_fraction', '-')} |"
+        )
+    for name, r in report["rows"].items():
+        p = r.get("profile")
+        if not p:
+            continue
+        lines += ["", f"**{name}**: time by part (ms) beside its FLOPs share; top kernels", ""]
+        share = r.get("flops_share", {})
+        lines += [
+            f"- {k}: {v} ms" + (f", {100 * share[k]:.0f} % of FLOPs" if k in share else "")
+            for k, v in p["ranges_ms"].items()
+        ]
+        lines += [f"- `{k}`: {v} ms" for k, v in p["top"][:5]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmark.py gpu_1b", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--out", default="outputs/gpu_1b", help="folder for gpu_1b.md, gpu_1b.json and the rows' run folders"
+    )
+    p.add_argument("--reduced", action="store_true", help="reduced widths, the 1B structure (a dry run on CPU)")
+    p.add_argument("--batch", type=int, default=4, help="rows per micro-batch (default 4)")
+    p.add_argument("--seq", type=int, default=4096, help="bytes per row (default 4096)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps, the first of them compiles (default 3)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10)")
+    p.add_argument("--compile", type=lambda s: s.lower() == "true", default=True, help="torch.compile (default true)")
+    p.add_argument("--no_fp8", action="store_true", help="leave out the fp8 row")
+    p.add_argument("--rows", default="", help="comma-separated rows to run (default: all)")
+    p.add_argument("--budget_s", type=float, default=150.0, help="seconds a row may take, compile included (150)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from benchmark import machine
+
+    report = {"machine": machine(), "args": vars(args), "rows": {}}
+    chosen = [r for r in args.rows.split(",") if r]
+    for name, overrides in rows(args):
+        if chosen and name not in chosen:
+            continue
+        report["rows"][name] = run_row(name, overrides, args)
+        (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))  # what finished survives a later crash
+    rows_done = report["rows"]
+    if "bytes_per_s" in rows_done.get("spider_1b", {}) and "bytes_per_s" in rows_done.get("dense_1b", {}):
+        report["spider_over_dense_bytes_per_s"] = round(
+            rows_done["spider_1b"]["bytes_per_s"] / rows_done["dense_1b"]["bytes_per_s"], 3
+        )
+    (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))
+    text = f"Machine: {report['machine']}\n\n" + table(report)
+    if "spider_over_dense_bytes_per_s" in report:
+        text += f"\nSpider / dense bytes/s: {report['spider_over_dense_bytes_per_s']}\n"
+    (out / "gpu_1b.md").write_text(text)
+    print(text)
+    return 0

@@ -1,0 +1,57 @@
+"""scripts/benchmark.py gpu_1b (scripts/bench_gpu.py), the GPU harness of Spider 1B against dense 1B: its
+reduced-width dry run on CPU takes the same code path end to end at tiny shapes and writes its table."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+from tests.utils import REPO
+
+
+def test_the_help_describes_the_harness():
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "gpu_1b", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Spider 1B against dense 1B" in proc.stdout and "--budget_s" in proc.stdout and "--reduced" in proc.stdout
+
+
+def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    bench_gpu = importlib.import_module("bench_gpu")
+    # the fp8 row is the spider row with the float8 converter: left out here for the suite's time
+    argv = [
+        "--reduced",
+        "--compile",
+        "false",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--no_fp8",
+    ]
+    assert bench_gpu.main([*argv, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_1b.json").read_text())
+    table = (tmp_path / "gpu_1b.md").read_text()
+    rows = report["rows"]
+    assert set(rows) == {"dense_1b", "spider_1b"}
+    for name in ("dense_1b", "spider_1b"):
+        row = rows[name]
+        assert row["bytes_per_s"] > 0 and row["tflops"] > 0 and row["profile"]["launched"] > 0, (name, row)
+        assert f"| {name} | {row['bytes_per_s']} |" in table
+    spider = rows["spider_1b"]
+    # the router warmed to the band of the ratio loss (4 +- 20 %): steady-state shapes from the first timed step
+    assert 3.2 <= spider["warm_bytes_per_segment"] <= 4.8, spider
+    ranges = spider["profile"]["ranges_ms"]
+    assert {"spider.byte_blocks", "spider.segmentation", "spider.core", "spider.dechunk_head", "optimizer"} <= set(
+        ranges
+    ), ranges
+    assert abs(sum(spider["flops_share"].values()) - 1.0) < 0.02, spider["flops_share"]
+    assert report["spider_over_dense_bytes_per_s"] > 0
