@@ -305,7 +305,8 @@ def _snapshot(roots: list[Path], skip: Path) -> dict[str, tuple[int, int]]:
             dirnames[:] = [
                 d
                 for d in dirnames
-                if d not in (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache") and Path(dirpath, d) != skip
+                if d not in (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache")
+                and Path(dirpath, d) != skip
             ]
             for name in filenames:
                 st = os.stat(os.path.join(dirpath, name))
