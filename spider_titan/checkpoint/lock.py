@@ -39,7 +39,7 @@ class RunLockedError(ValueError):
 
 
 def _holder(text: str) -> str:
-    """'pid 123 on host, started 2026-11-23T20:01:02+00:00' from a lock file's JSON."""
+    """'pid 123 on host, started <ISO time>' from a lock file's JSON."""
     try:
         info = json.loads(text)
         return f"pid {info['pid']} on {info['host']}, started {info['start_time']}"

@@ -124,7 +124,7 @@ def _listing(names: list[str], limit: int = 5) -> str:
 
 
 def _describe(run: dict[str, Any]) -> str:
-    """'run 3f2a9c1e (started 2026-11-26T20:10:02+00:00, finished at step 300)'."""
+    """'run 3f2a9c1e (started <ISO time>, finished at step 300)'."""
     if run.get("state") in ("finished", "stopped") and "step" in run:
         end = f"{run['state']} at step {run['step']}"
     else:

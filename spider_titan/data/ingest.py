@@ -379,8 +379,8 @@ def _parse(task) -> Docs:
 # Workers come from a fork server (a fresh, single-threaded process), not from a fork of the caller,
 # which hands each worker its threads' held locks and its Python signal handlers. Seen with forks: the
 # full test suite hung in ``Pool.terminate()`` after a parse error, joining a worker that sat on the task
-# queue's lock with SIGTERM at its default action (2026-11-24; why the SIGTERM did not end it was not
-# established); earlier, a raising SIGTERM handler hung the stdin test in 2 of 20 runs.
+# queue's lock with SIGTERM at its default action (why the SIGTERM did not end it was not established);
+# earlier, a raising SIGTERM handler hung the stdin test in 2 of 20 runs.
 _POOL_CONTEXT = multiprocessing.get_context("forkserver")
 
 

@@ -89,7 +89,7 @@ class GroupedExperts(nn.Module):
     and the GEMMs read it transposed, (E, in, out) per-group column-major. That is the layout
     torchao's fp8 grouped GEMM requires of its right operand (strides (K*N, 1, K)), so fp8 needs
     no per-call copy of the weights (a row-major (E, in, out) weight cost one transpose copy per
-    GEMM, ~207 MB per MoE call at 1B). Checkpoints saved before 2026-11-23 hold (E, in, out).
+    GEMM, ~207 MB per MoE call at 1B). Checkpoints of the project's first days hold (E, in, out).
     """
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):

@@ -168,7 +168,7 @@ def destroy_process_groups() -> None:
     and their threads outlive ``destroy_process_group`` until the process exits and are destroyed
     during or after the interpreter's shutdown: a 4-rank gloo run aborted then, now and then, with
     "terminate called without an active exception" (1 run in 25 of tests/distributed/test_split_invariance's
-    FSDP 4 run on 2 cores, 2026-11-26). Emptied here, the backends go as soon as the model does."""
+    FSDP 4 run on 2 cores). Emptied here, the backends go as soon as the model does."""
     from torch.distributed.tensor import _collective_utils, _redistribute, debug
 
     if dist.is_available() and dist.is_initialized():
