@@ -16,6 +16,18 @@ from spider_titan.generation import generate, load_model
 from tests.utils import REPO
 
 
+def run_generate(flags: list[str]) -> subprocess.CompletedProcess:
+    """``python scripts/generate.py FLAGS`` from the repository, one intra-op thread, output captured."""
+    return subprocess.run(
+        [sys.executable, "scripts/generate.py", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 def test_generate_cli_matches_the_library(tmp_path):
     spec = registry.get("model", "dense")
     args = spec.build_args("debug", {"n_layers": 1})
@@ -24,10 +36,8 @@ def test_generate_cli_matches_the_library(tmp_path):
     materialize(model, torch.device("cpu"), seed=0)
     write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", args), tmp_path, dtype=torch.float32)
 
-    proc = subprocess.run(
+    proc = run_generate(
         [
-            sys.executable,
-            "scripts/generate.py",
             "--model",
             str(tmp_path),
             "--prompt",
@@ -40,12 +50,7 @@ def test_generate_cli_matches_the_library(tmp_path):
             "20",
             "--seed",
             "1",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        ]
     )
     assert proc.returncode == 0, proc.stderr
     loaded, _ = load_model(tmp_path)
@@ -118,14 +123,7 @@ def test_loops_with_calibrated_gain_0_are_skipped_with_one_line(tmp_path, monkey
     write_export(full_model_state_dict(model), ModelIdentity.of("spider", "debug", args), tmp_path, dtype=torch.float32)
 
     flags = ["--model", str(tmp_path), "--prompt", "def ", "--max_new_bytes", "24", "--temperature", "0"]
-    proc = subprocess.run(
-        [sys.executable, "scripts/generate.py", *flags, "--n_loops", "4"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = run_generate([*flags, "--n_loops", "4"])
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert lines[0] == (

@@ -117,8 +117,8 @@ def _step(model: Spider, cache: SpiderCache, row: RowCache, byte: int) -> torch.
 
 def _boundary_logits(model: Spider, row: RowCache, ids: torch.Tensor) -> torch.Tensor:
     """The row's boundary logits so far (1, T), as ``Chunker.logits`` computes them over the whole row."""
-    if model.boundary_predictor is None:
-        return model.chunker.logits(None, torch.cat(row.states, dim=1))
+    if model.boundary_predictor is None:  # constant logits: any (1, T, dim) view gives their shape, no copy
+        return model.chunker.logits(None, row.states[-1].expand(-1, ids.shape[1], -1))
     last_two = torch.cat(row.states[-2:], dim=1)  # h_{t-1}, h_t
     row.scores.append(model.boundary_predictor.raw_score(last_two)[:, -1:])
     return model.boundary_predictor.logits(torch.cat(row.scores, dim=1))
