@@ -5,8 +5,9 @@
 
 Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on mock data, one micro-batch of
 ``--batch`` x ``--seq`` bytes, no validation or checkpoints): ``dense_1b`` (bf16, activation checkpointing off),
-``spider_1b`` (the shipped config: bf16, Triton MoE, recurrent AC, bucket 64) and ``spider_1b_fp8`` (the
-float8 converter; skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts
+``spider_1b`` (the shipped config: bf16, Triton MoE, recurrent AC, bucket 64), ``spider_1b_static`` (the
+same with ``model.segment_capacity``: static shapes, no host sync) and ``spider_1b_fp8`` (the float8
+converter; skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts
 at steady-state segmentation: before any timed step its boundary predictor's threshold is fitted to the
 target rate on the run's own first batch by the boundary loss alone (``warm_router``), so the timed steps
 see ~4 bytes per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
@@ -100,7 +101,9 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     spider = [f"--model.{k}={v}" for k, v in REDUCED_SPIDER.items()] if args.reduced else []
     dense = [f"--model.{k}={v}" for k, v in REDUCED_DENSE.items()] if args.reduced else []
     dense_row = base + ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
-    out = [("dense_1b", dense_row + dense), ("spider_1b", base + spider)]
+    spider += args.extra.split()
+    static = ["--model.segment_capacity", str(args.capacity)]
+    out = [("dense_1b", dense_row + dense), ("spider_1b", base + spider), ("spider_1b_static", base + spider + static)]
     if not args.no_fp8:
         out.append(("spider_1b_fp8", base + spider + ["--model.converters", "float8", "--float8.fallback", "error"]))
     return out
@@ -172,6 +175,7 @@ def profile_step(trainer, step: int) -> dict:
     )
     ranges = [(e.start_ns(), e.end_ns(), _range_name(e.name())) for e in host if _range_name(e.name())]
     top, per_range = Counter(), Counter()
+    counts: dict = {}
     if cuda:
         kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
         launches = {e.correlation_id(): e.start_ns() for e in host if e.name().startswith(("cuda", "cu"))}
@@ -188,25 +192,51 @@ def profile_step(trainer, step: int) -> dict:
                 per_range[name] += k.duration_ns()
         launched, busy_fraction = len(kernels), round(busy / span, 3) if span else None
     else:
-        ops, open_until = [], []  # host ops nest by time on one thread: an aten op inside an aten op is not counted
-        for e in host:
-            while open_until and open_until[-1] <= e.start_ns():
-                open_until.pop()
-            if e.name().startswith("aten::"):
-                if not open_until:
-                    ops.append(e)
-                open_until.append(e.end_ns())
+        counts, ops = count_launches(host)
         for e in ops:
             top[e.name()] += e.duration_ns()
         for start, stop, name in ranges:
             per_range[name] += stop - start
-        launched, busy_fraction = len(ops), None
+        launched, busy_fraction = counts.pop("launched"), None
     return {
         "launched": launched,
+        **({} if cuda else {"launch_parts": counts}),
         "busy_fraction": busy_fraction,
         "top": [(name, round(ns / 1e6, 3)) for name, ns in top.most_common(10)],
         "ranges_ms": {k: round(v / 1e6, 3) for k, v in sorted(per_range.items())},
     }
+
+
+REGION_PREFIXES = ("Torch-Compiled Region", "CompiledFunctionBackward")
+
+
+def count_launches(host: list) -> tuple[dict, list]:
+    """What a GPU would launch for this host trace (one thread, events sorted by start): aten ops
+    outside compiled code (each a kernel or a host op), compiled regions entered (forward and
+    backward), and inside them the extern ops (GEMMs, fallbacks) and the generated kernels (recorded
+    as ``cpp_fused_*`` under ``torch._inductor.config.cpp.enable_kernel_profile``). Returns the
+    counts (``launched`` = outside + inside) and the events counted."""
+    counted, stack = [], []  # stack: (end, kind) of the open events that matter
+    outside = inside = regions = 0
+    for e in host:
+        while stack and stack[-1][0] <= e.start_ns():
+            stack.pop()
+        name = e.name()
+        in_region = any(kind == "region" for _, kind in stack)
+        in_op = any(kind == "op" for _, kind in stack)
+        if name.startswith(REGION_PREFIXES):
+            if not in_region:
+                regions += 1
+            stack.append((e.end_ns(), "region"))
+        elif name.startswith("aten::") or (in_region and "cpp_fused" in name):
+            if not in_op:
+                counted.append(e)
+                if in_region:
+                    inside += 1
+                else:
+                    outside += 1
+            stack.append((e.end_ns(), "op"))
+    return {"launched": outside + inside, "outside": outside, "inside": inside, "regions": regions}, counted
 
 
 def _range_name(name: str) -> str | None:
@@ -238,6 +268,8 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         return {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    # CPU: the generated kernels record themselves in the profile, so the launch count sees them
+    torch._inductor.config.cpp.enable_kernel_profile = not torch.cuda.is_available()
     recompiles = _Recompiles()
     dynamo_log = logging.getLogger("torch._dynamo")
     torch._logging.set_logs(recompiles=True)
@@ -250,7 +282,7 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         if rate == rate:
             result["warm_bytes_per_segment"] = round(rate, 2)
         tokens = cfg.training.local_batch_size * cfg.training.seq_len
-        times, flops_per_byte, bps = [], [], []
+        times, flops_per_byte, bps, drops = [], [], [], []
         for step in range(1, args.warmup + args.steps + 1):
             if time.perf_counter() - started > args.budget_s:
                 result["budget_hit"] = f"stopped after {step - 1} steps ({args.budget_s:g} s)"
@@ -275,6 +307,9 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
                 bpseg = metrics.get("aux.bytes_per_segment")
                 if bpseg is not None:
                     bps.append(float(bpseg))
+                dropped = metrics.get("aux.segments_dropped")  # under a segment capacity
+                if dropped is not None:
+                    drops.append(float(dropped))
         if times:
             median = statistics.median(times)
             fpb = statistics.fmean(flops_per_byte)
@@ -289,6 +324,8 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
             )
             if bps:
                 result["bytes_per_segment"] = round(statistics.fmean(bps), 2)
+            if drops:
+                result["segments_dropped"] = round(statistics.fmean(drops), 4)
             if cuda:
                 result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if time.perf_counter() - started < args.budget_s:
@@ -356,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10)")
     p.add_argument("--compile", type=lambda s: s.lower() == "true", default=True, help="torch.compile (default true)")
     p.add_argument("--no_fp8", action="store_true", help="leave out the fp8 row")
+    p.add_argument(
+        "--capacity", type=float, default=1.5, help="spider_1b_static's model.segment_capacity (default 1.5)"
+    )
+    p.add_argument(
+        "--extra", default="", help="more trainer flags for every Spider row, e.g. '--model.segment_bucket 0'"
+    )
     p.add_argument("--rows", default="", help="comma-separated rows to run (default: all)")
     p.add_argument("--budget_s", type=float, default=150.0, help="seconds a row may take, compile included (150)")
     args = p.parse_args(argv)
@@ -371,14 +414,20 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"][name] = run_row(name, overrides, args)
         (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))  # what finished survives a later crash
     rows_done = report["rows"]
-    if "bytes_per_s" in rows_done.get("spider_1b", {}) and "bytes_per_s" in rows_done.get("dense_1b", {}):
-        report["spider_over_dense_bytes_per_s"] = round(
-            rows_done["spider_1b"]["bytes_per_s"] / rows_done["dense_1b"]["bytes_per_s"], 3
-        )
+    dense = rows_done.get("dense_1b", {}).get("bytes_per_s")
+    ratios = {
+        name: round(row["bytes_per_s"] / dense, 3)
+        for name, row in rows_done.items()
+        if dense and name.startswith("spider") and "bytes_per_s" in row
+    }
+    if "spider_1b" in ratios:
+        report["spider_over_dense_bytes_per_s"] = ratios["spider_1b"]
+    report["over_dense_bytes_per_s"] = ratios
     (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))
     text = f"Machine: {report['machine']}\n\n" + table(report)
-    if "spider_over_dense_bytes_per_s" in report:
-        text += f"\nSpider / dense bytes/s: {report['spider_over_dense_bytes_per_s']}\n"
+    for name, ratio in ratios.items():
+        text += f"\n{name} / dense_1b bytes/s: {ratio}"
+    text += "\n" if ratios else ""
     (out / "gpu_1b.md").write_text(text)
     print(text)
     return 0

@@ -41,8 +41,8 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     report = json.loads((tmp_path / "gpu_1b.json").read_text())
     table = (tmp_path / "gpu_1b.md").read_text()
     rows = report["rows"]
-    assert set(rows) == {"dense_1b", "spider_1b"}
-    for name in ("dense_1b", "spider_1b"):
+    assert set(rows) == {"dense_1b", "spider_1b", "spider_1b_static"}
+    for name in rows:
         row = rows[name]
         assert row["bytes_per_s"] > 0 and row["tflops"] > 0 and row["profile"]["launched"] > 0, (name, row)
         assert f"| {name} | {row['bytes_per_s']} |" in table
@@ -55,3 +55,7 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     ), ranges
     assert abs(sum(spider["flops_share"].values()) - 1.0) < 0.02, spider["flops_share"]
     assert report["spider_over_dense_bytes_per_s"] > 0
+    assert set(report["over_dense_bytes_per_s"]) == {"spider_1b", "spider_1b_static"}
+    assert "spider_1b_static / dense_1b bytes/s:" in table
+    # static shapes: at steady state (4 bytes per segment) capacity 1.5 drops nothing
+    assert rows["spider_1b_static"]["segments_dropped"] == 0.0 and "segments_dropped" not in spider

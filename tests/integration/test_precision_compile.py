@@ -55,18 +55,24 @@ def test_fp8_tracks_high_precision_over_30_steps(tmp_path):
     assert fp8[-1] == pytest.approx(ref[-1], rel=0.02)
 
 
-# (MoE backend, balancing, n_loops, activation checkpointing): both backends, both balancing
-# modes, more loops than the default (a loop index traced as a Python int would recompile once
-# per loop), and the 1B configs' recurrent AC (the load counts are mutated inside its checkpoint).
-COMPILE_CASES = [("torch", "aux_free", 3, "none"), ("triton", "aux_loss", 2, "none"), ("torch", "both", 2, "recurrent")]
+# (MoE backend, balancing, n_loops, activation checkpointing, segment capacity): both backends, both
+# balancing modes, more loops than the default (a loop index traced as a Python int would recompile
+# once per loop), the 1B configs' recurrent AC (the load counts are mutated inside its checkpoint),
+# and static shapes (a segment capacity) beside counted segments.
+COMPILE_CASES = [
+    ("torch", "aux_free", 3, "none", 0.0),
+    ("triton", "aux_loss", 2, "none", 0.0),
+    ("torch", "both", 2, "recurrent", 1.5),
+]
 
 
 @pytest.mark.parametrize(
-    "backend, balance, n_loops, ac", COMPILE_CASES, ids=["-".join(map(str, c)) for c in COMPILE_CASES]
+    "backend, balance, n_loops, ac, capacity", COMPILE_CASES, ids=["-".join(map(str, c)) for c in COMPILE_CASES]
 )
-def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, tmp_path):
-    """Every block compiled with fullgraph=True (inductor on CPU), 20 steps whose segment counts
-    vary batch to batch: no graph break, at most 2 recompiles, losses equal to eager within 1e-4."""
+def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, capacity, tmp_path):
+    """Every block compiled with fullgraph=True (inductor on CPU), 20 steps whose segment counts vary
+    batch to batch: no graph break, at most 2 recompiles, losses equal to eager within 1e-5 over the
+    first 5 steps (fp32) and within 1e-4 over all 20 (the drift of 20 optimizer steps)."""
     args = [
         "--job.config_file",
         "train_configs/debug_model.toml",
@@ -84,6 +90,8 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
         balance,
         "--model.n_loops",
         str(n_loops),
+        "--model.segment_capacity",
+        str(capacity),
         "--activation_checkpoint.mode",
         ac,
         "--validation.enable",
@@ -110,4 +118,4 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
     ref, got = train_losses_of(tmp_path / "eager"), train_losses_of(tmp_path / "compiled")
     assert sorted(got) == list(range(1, 21))
     for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-4), (step, ref, got)
+        assert got[step] == pytest.approx(ref[step], rel=1e-5 if step <= 5 else 1e-4), (step, ref, got)

@@ -7,7 +7,8 @@ are the interpreter's, not the GPU path's; both backends build the same routing 
 read), and count the calls that would wait on a GPU with tests/sync_counter.py over one step.
 
 * spider_1b: at most one per micro-batch, the segment count of the learned segmentation
-  (models/spider/segmentation.py, ``S = int(n_segments.max())``), which sizes the core's tensors.
+  (models/spider/segmentation.py, ``S = int(n_segments.max())``), which sizes the core's tensors;
+  none with ``model.segment_capacity`` (a fixed number of segment slots per row).
 * spider_1b_fp8_fsdp_ep (2 gloo ranks, EP 2): those, plus one read per expert-parallel dispatch
   (the split sizes of the token all-to-all, parallel/expert_parallel.py): n_core x n_loops per
   micro-batch; an activation-checkpoint recompute replays the forward's, it does not read again.
@@ -111,6 +112,13 @@ def test_spider_1b_reads_only_the_segment_count(tmp_path, in_process):
     files = by_file(sites)
     assert set(files) <= {SEGMENT_COUNT, CPU_ONLY_CHECK}, sites
     assert files[SEGMENT_COUNT] == micro_batches == 4
+
+
+def test_spider_1b_with_a_segment_capacity_reads_nothing(tmp_path, in_process):
+    """``model.segment_capacity`` (static shapes): not even the segment count is read back."""
+    sites, micro_batches, _ = count_one_step("spider_1b.toml", tmp_path / "run", ("--model.segment_capacity", "1.5"))
+    print("\nspider_1b with segment_capacity 1.5, syncs in one step:", dict(sites))
+    assert set(by_file(sites)) <= {CPU_ONLY_CHECK}, sites
 
 
 def _ep_worker(rank: int, store: str, out: str) -> None:

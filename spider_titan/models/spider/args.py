@@ -100,6 +100,10 @@ class SpiderArgs:
     segment_bucket: int = ranged(0, low=0)
     """Round the batch's segment count up to a multiple of this (0 or 1: off), so the core meets few
     shapes; the padding segments are masked and change no output."""
+    segment_capacity: float = ranged(0.0, low=0)
+    """> 0: static shapes, no host sync: every row has ``ceil(segment_capacity * T / target_bytes_per_segment)``
+    segment slots and the core runs on them all; a row's segments past them are dropped (its bytes there
+    read no core output; ``aux.segments_dropped``). 0: the core runs on the batch's counted segments."""
 
     # ---- loss weights
     moe_aux_coeff: float = ranged(0.01, low=0)
@@ -189,6 +193,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_band": 0.0,
     "boundary_band_upper": 1.0,
     "boundary_dim": 0,
+    "segment_capacity": 0.0,
 }
 
 # Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code

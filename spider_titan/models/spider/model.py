@@ -16,7 +16,8 @@ without labels; the trainer adds the LM loss). Labels equal to PAD are ignored l
 
 ``aux["flops_per_byte"]``: training FLOPs (fwd + bwd) per input byte of this very forward, from the
 batch's segment count and the loops run (``spider_flops_per_byte``); built from host ints, no sync.
-One host sync per forward: every row's segment count, read together (segmentation.py).
+One host sync per forward: every row's segment count, read together (segmentation.py); none with
+``segment_capacity`` (static shapes: the core runs on a fixed number of segment slots per row).
 
 Initialisation (``init_weights()``, after ``to_empty``): ``embed_tokens`` N(0, 1); input projections
 trunc-normal 0.02; residual outputs trunc-normal ``0.02 / sqrt(2 * depth)``, depth the byte stages'
@@ -135,10 +136,13 @@ class Spider(nn.Module):
             x = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
         chunker = self.chunker
         with record_function("spider.segmentation"):
-            seg = chunker.segment(chunker.logits(self.boundary_predictor, x), input_ids, bucket=a.segment_bucket)
+            capacity = chunker.capacity(T)
+            logits = chunker.logits(self.boundary_predictor, x)
+            seg = chunker.segment(logits, input_ids, bucket=a.segment_bucket, capacity=capacity)
             S = seg.num_segments
             chunks, bucket_ids = chunker.pool(x, seg), chunker.engram_ids(input_ids, seg)  # (B, S, dim), (B, S, 2)
-            packed = PackedRows.of(seg.seg_valid, seg.total_segments)
+            # the core runs on the real segments packed into one row, or under a capacity on every slot
+            packed = None if capacity else PackedRows.of(seg.seg_valid, seg.total_segments)
         with record_function("spider.core"):
             core = self.core(
                 chunks,
@@ -162,29 +166,34 @@ class Spider(nn.Module):
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
         real_bytes = (input_ids != PAD_ID).sum().float()
+        dropped = (seg.row_segments - S).clamp(min=0).sum() if capacity else 0  # segments past the capacity
+        real_segments = seg.seg_real.sum() + dropped
         aux = {
             "moe_aux_loss": core.moe_aux_loss.detach(),
             "boundary_loss": b_loss.detach(),
-            "bytes_per_segment": real_bytes / seg.seg_real.sum().float().clamp(min=1.0),
+            "bytes_per_segment": real_bytes / real_segments.float().clamp(min=1.0),
             "mean_loops": torch.full((), float(core.loops_run), device=device),
             "loops_run": torch.full((), float(core.loops_run), device=device),
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
             # From host ints, no extra sync: the core's per-segment work on the batch's real segments,
             # its attention over rows of the largest row's count; the bucket's padding not counted.
+            # Under a capacity the work of every slot (the core computes them all).
             FLOPS_PER_BYTE: torch.full(
                 (),
                 spider_flops_per_byte(
                     a,
                     T,
                     n_loops=core.loops_run,
-                    bytes_per_segment=B * T / seg.total_segments,
+                    bytes_per_segment=T / S if capacity else B * T / seg.total_segments,
                     backprop_loops=core.backprop_loops,
-                    row_segments=seg.max_row_segments,
+                    row_segments=S if capacity else seg.max_row_segments,
                 ),
                 device=device,
             ),
         }
+        if capacity:  # the share of the batch's segments past the capacity
+            aux["segments_dropped"] = dropped / seg.row_segments.sum()
         if self.core.loop_step is not None:  # loop_step_size: how far each loop moves the state
             aux.update({f"loop_step_{i + 1}": g.detach() for i, g in enumerate(self.core.step_sizes().unbind())})
         loss = None

@@ -270,45 +270,34 @@ class RecurrentCore(nn.Module):
         first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
         injected = self.inject(s)  # (B, S, dim), the same every loop
         decay = torch.exp(-F.softplus(self.decay_lambda.float())).to(s.dtype)  # (dim,) in (0, 1)
-        loop_emb = None if self.loop_embedding is None else self.loop_embedding.weight
 
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
-        h0 = None if h0 is None else h0.to(s.dtype)
-        steps = None if self.loop_step is None else self.step_sizes()  # (max_loops,) fp32
-        gains = None if self.training else self.extra_loop_gain
-        h = injected  # loop 0 (h_0 = 0): decay * h_0 + inject(s)
+        h = s.new_zeros(injected.shape) if h0 is None else h0.to(s.dtype)  # the state loop 0 receives
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
-                before = h if i > 0 else h0  # the state loop i receives (None: zero)
-                if i > 0:
-                    h = decay * h + injected
-                elif h0 is not None:
-                    h = decay * h0 + injected
-                if loop_emb is not None:
-                    h = h + loop_emb[i].to(h.dtype)
-                # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
-                # the segment count S as a symbol, so one graph serves every loop and every batch
-                # instead of a recompile per loop index and per new S.
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
-                for t, dim in ((h, 1), (freqs, freqs.dim() - 3), (bucket_ids, 1), (seg_real, 1)):
+                # For torch.compile (no-ops otherwise): the loop index goes in as a tensor and the
+                # segment count as a symbol, so one graph serves every loop and every batch.
+                for t, dim in ((h, 1), (injected, 1), (freqs, freqs.dim() - 3), (bucket_ids, 1), (seg_real, 1)):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
                 if packed is not None:
                     torch._dynamo.maybe_mark_dynamic(packed.index, 0)
                     torch._dynamo.maybe_mark_dynamic(packed.valid, 1)
-                for j, block in enumerate(self.layers):
-                    if caches is None:
-                        h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, packed=packed)
-                    else:  # incremental decoding (decode.py): loop i's keys and values of block j
-                        h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, caches[i][j])
-                    if i >= first_grad_loop:  # the balancing loss over the loops that carry a graph
-                        aux_sum = aux_sum + aux
-                    counts = counts + cnt
-                if steps is not None:  # h + g_i (F_i(h) - h); from h_0 = 0: g_i F_i(0)
-                    g = steps[i].to(h.dtype)
-                    h = g * h if before is None else before + g * (h - before)
-                if gains is not None and i >= self.args.n_loops:  # test-time depth: how far loop i moves
-                    h = before + gains[i].to(h.dtype) * (h - before)
+                h, aux_sum, counts = self.run_loop(
+                    h,
+                    injected,
+                    decay,
+                    loop,
+                    freqs,
+                    bucket_ids,
+                    seg_real,
+                    aux_sum,
+                    counts,
+                    i >= first_grad_loop,
+                    caches[i] if caches is not None else None,
+                    packed,
+                )
 
         grad_loops = n_loops - min(first_grad_loop, n_loops)
         return CoreOutput(
@@ -318,6 +307,43 @@ class RecurrentCore(nn.Module):
             loops_run=n_loops,
             backprop_loops=grad_loops,
         )
+
+    def run_loop(
+        self,
+        before: torch.Tensor,
+        injected: torch.Tensor,
+        decay: torch.Tensor,
+        loop: torch.Tensor,
+        freqs: torch.Tensor,
+        bucket_ids: torch.Tensor,
+        seg_real: torch.Tensor,
+        aux_sum: torch.Tensor,
+        counts: torch.Tensor,
+        count_aux: bool,
+        caches: list[KVCache] | None = None,
+        packed: PackedRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One loop (module docstring, items 1-4) on the state ``before`` it receives (zeros before the
+        first), the loop index a 0-dim tensor, so every loop runs the same code. Returns (the state it
+        hands on, ``aux_sum`` plus its blocks' balancing losses when ``count_aux``, ``counts`` plus their
+        routed slots)."""
+        h = decay * before + injected
+        if self.loop_embedding is not None:
+            h = h + _at(self.loop_embedding.weight, loop).to(h.dtype)
+        for j, block in enumerate(self.layers):
+            if caches is None:
+                h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, packed=packed)
+            else:  # incremental decoding (decode.py): this loop's keys and values of block j
+                h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, caches[j])
+            if count_aux:  # the balancing loss over the loops that carry a graph
+                aux_sum = aux_sum + aux
+            counts = counts + cnt
+        if self.loop_step is not None:  # h_in + g_i (F_i(h_in) - h_in)
+            h = before + _at(self.step_sizes(), loop).to(h.dtype) * (h - before)
+        if not self.training:  # test-time depth: a loop past n_loops moves the state by its gain
+            gain = _at(self.extra_loop_gain, loop).to(h.dtype)
+            h = torch.where(loop >= self.args.n_loops, before + gain * (h - before), h)
+        return h, aux_sum, counts
 
     def step_sizes(self) -> torch.Tensor:
         """``g`` (max_loops,) of ``loop_step_size``: ``1 + LOOP_STEP_SCALE * loop_step``."""

@@ -24,11 +24,13 @@ Conventions
   its smoothing of the core outputs; the ratio loss (with a dead zone) holds the rate.
 * S, the largest segment count in the batch, is read back to the host once per forward, the one
   host sync: it sizes the core's tensors. ``bucket`` rounds S up (the extra segments are masked
-  padding that no byte reads back).
+  padding that no byte reads back). A ``capacity`` instead fixes S (static shapes, no host sync):
+  a row's segments past it are dropped, and its bytes that would read them read zero.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -107,9 +109,11 @@ class Segmentation:
     ends:          (B, S) int64, last byte of each segment (arbitrary for missing segments)
     seg_valid:     (B, S) bool, the segment exists in that row
     seg_real:      (B, S) bool, the segment exists and holds real (non-PAD) bytes
-    num_segments:  S (a host int), the largest row's segment count rounded up to the bucket
-    max_row_segments: the largest row's segment count (a host int, <= S; S without a bucket)
-    total_segments: the segments of all rows together (a host int, = seg_valid.sum())
+    row_segments:  (B,) int64, each row's segment count (may exceed S under a capacity)
+    num_segments:  S (a host int), the largest row's segment count rounded up to the bucket, or the capacity
+    max_row_segments: the largest row's segment count (a host int, <= S; S without a bucket; None
+                   under a capacity, which reads nothing back)
+    total_segments: the segments of all rows together (a host int, = seg_valid.sum(); None under a capacity)
     """
 
     boundaries: torch.Tensor
@@ -122,9 +126,10 @@ class Segmentation:
     ends: torch.Tensor
     seg_valid: torch.Tensor
     seg_real: torch.Tensor
+    row_segments: torch.Tensor
     num_segments: int
-    max_row_segments: int
-    total_segments: int
+    max_row_segments: int | None
+    total_segments: int | None
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -151,11 +156,13 @@ def segment_bytes(
     *,
     max_segment_bytes: int,
     bucket: int = 1,
+    capacity: int = 0,
     chunk_start: bool = False,
 ) -> Segmentation:
     """Boundaries from predictor ``logits (B, T)`` and the bytes: ``p >= 0.5`` plus the forced ones
     (module docstring). ``chunk_start``: the logits decide chunk starts (shifted by :func:`end_logits`).
-    ``bucket > 1`` rounds S up to a multiple of it (at most T)."""
+    ``bucket > 1`` rounds S up to a multiple of it (at most T); ``capacity > 0`` sets S to it (at most
+    T) without reading the counts back (module docstring)."""
     B, T = input_ids.shape
     device = input_ids.device
     probs = torch.sigmoid(end_logits(logits, chunk_start=chunk_start))
@@ -176,9 +183,12 @@ def segment_bytes(
     seg_id = _exclusive_cumsum(boundaries.long())
     pos_in_seg = idx - _previous_boundary(boundaries) - 1
     n_segments = boundaries.sum(dim=1)  # (B,) the last byte always ends a segment
-    counts = n_segments.tolist()  # the one host sync of the forward: every row's segment count
-    max_row, total = max(counts), sum(counts)
-    S = min(T, -(-max_row // bucket) * bucket) if bucket > 1 else max_row
+    if capacity > 0:
+        S, max_row, total = min(T, capacity), None, None
+    else:
+        counts = n_segments.tolist()  # the one host sync of the forward: every row's segment count
+        max_row, total = max(counts), sum(counts)
+        S = min(T, -(-max_row // bucket) * bucket) if bucket > 1 else max_row
     # Stable sort puts the boundary positions first, in order: the ends of segments 0..n_b-1.
     ends = torch.sort((~boundaries).to(torch.uint8), dim=1, stable=True).indices[:, :S]  # (B, S)
     seg_valid = torch.arange(S, device=device) < n_segments[:, None]
@@ -194,6 +204,7 @@ def segment_bytes(
         ends=ends,
         seg_valid=seg_valid,
         seg_real=seg_real,
+        row_segments=n_segments,
         num_segments=S,
         max_row_segments=max_row,
         total_segments=total,
@@ -202,22 +213,25 @@ def segment_bytes(
 
 def downsample(x: torch.Tensor, seg: Segmentation) -> torch.Tensor:
     """x (B, T, dim) -> s (B, S, dim): each segment is the mean of its bytes (zero for missing ones),
-    by a scatter-add into the segments: O(T * dim) memory."""
+    by a scatter-add into the segments (one more slot collects the bytes of segments past a
+    capacity): O(T * dim) memory."""
     B, T, D = x.shape
-    index = seg.seg_id.unsqueeze(-1).expand(B, T, D)
-    num = x.new_zeros(B, seg.num_segments, D, dtype=torch.float32).scatter_add(1, index, x.float())
+    S = seg.num_segments
+    seg_id = seg.seg_id.clamp(max=S)
+    num = x.new_zeros(B, S + 1, D, dtype=torch.float32).scatter_add(1, seg_id.unsqueeze(-1).expand(B, T, D), x.float())
     ones = torch.ones(B, T, dtype=torch.float32, device=x.device)
-    den = ones.new_zeros(B, seg.num_segments).scatter_add(1, seg.seg_id, ones)  # (B, S) byte counts
+    den = ones.new_zeros(B, S + 1).scatter_add(1, seg_id, ones)[:, :S]  # (B, S) byte counts
     den = torch.where(seg.seg_valid, den, torch.ones_like(den))
-    return (num / den.unsqueeze(-1)).to(x.dtype)
+    return (num[:, :S] / den.unsqueeze(-1)).to(x.dtype)
 
 
 def upsample(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
-    """y (B, S, dim) -> (B, T, dim): byte t gets y of segment ``seg_id[t] - 1`` (zero for segment 0)."""
+    """y (B, S, dim) -> (B, T, dim): byte t gets y of segment ``seg_id[t] - 1`` (zero for segment 0
+    and for segments past a capacity)."""
     B, T = seg.seg_id.shape
-    D = y.shape[-1]
-    src = (seg.seg_id - 1).clamp(min=0).unsqueeze(-1).expand(B, T, D)
-    scale = (seg.seg_id > 0).float()  # (B, T)
+    S, D = y.shape[1], y.shape[-1]
+    src = (seg.seg_id - 1).clamp(min=0, max=S - 1).unsqueeze(-1).expand(B, T, D)
+    scale = ((seg.seg_id > 0) & (seg.seg_id <= S)).float()  # (B, T)
     return y.gather(1, src) * scale.unsqueeze(-1).to(y.dtype)
 
 
@@ -237,9 +251,11 @@ def downsample_first(x: torch.Tensor, seg: Segmentation) -> torch.Tensor:
 
 def upsample_own(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
     """y (B, S, dim) -> (B, T, dim): byte t gets y of its OWN segment ``seg_id[t]`` (H-Net's dechunk);
-    causal only together with :func:`downsample_first`."""
+    causal only together with :func:`downsample_first`. Zero for segments past a capacity."""
     B, T = seg.seg_id.shape
-    return y.gather(1, seg.seg_id.unsqueeze(-1).expand(B, T, y.shape[-1]))
+    S = y.shape[1]
+    out = y.gather(1, seg.seg_id.clamp(max=S - 1).unsqueeze(-1).expand(B, T, y.shape[-1]))
+    return out * (seg.seg_id < S).unsqueeze(-1).to(y.dtype)
 
 
 def segment_start_probs(seg: Segmentation) -> torch.Tensor:
@@ -333,10 +349,23 @@ class Chunker:
             return x.new_full(x.shape[:2], NO_BOUNDARY, dtype=torch.float32)
         return predictor(x)
 
-    def segment(self, logits: torch.Tensor, input_ids: torch.Tensor, *, bucket: int = 1) -> Segmentation:
+    def segment(
+        self, logits: torch.Tensor, input_ids: torch.Tensor, *, bucket: int = 1, capacity: int = 0
+    ) -> Segmentation:
+        """:func:`segment_bytes` under this policy (``bucket`` and ``capacity`` as there)."""
         return segment_bytes(
-            logits, input_ids, max_segment_bytes=self.max_segment_bytes, bucket=bucket, chunk_start=self.chunk_start
+            logits,
+            input_ids,
+            max_segment_bytes=self.max_segment_bytes,
+            bucket=bucket,
+            capacity=capacity,
+            chunk_start=self.chunk_start,
         )
+
+    def capacity(self, seq_len: int) -> int:
+        """Segment slots per row of ``seq_len`` bytes under ``segment_capacity`` (0: counted per batch)."""
+        a = self.args
+        return math.ceil(a.segment_capacity * seq_len / a.target_bytes_per_segment) if a.segment_capacity > 0 else 0
 
     def pool(self, x: torch.Tensor, seg: Segmentation) -> torch.Tensor:
         """Byte states (B, T, dim) -> chunk vectors (B, S, dim)."""
