@@ -17,8 +17,10 @@ the segments and loops actually run), peak memory, compile time (the first step)
 their reasons, the slowest step against the median, and from one profiled step the kernels launched
 (CPU: the ops dispatched), the device-busy fraction, the top kernels, and the time of each part of the
 forward (named ranges ``spider.*``: byte blocks, segmentation and pooling, core, dechunk and head; the
-optimizer step) beside its share of the FLOPs. A row stops taking steps once it has used its time
-budget (``--budget_s``), so a slow row cannot eat the run.
+optimizer step) beside its share of the FLOPs. A timed step slower than 2x the median is listed with
+what happened during it (``slow_steps``: dynamo recompiles, Triton JIT compiles of the MoE kernels, the
+CUDA allocator's new allocations and retries), so a stall names its cause. A row stops taking steps
+once it has used its time budget (``--budget_s``), so a slow row cannot eat the run.
 """
 
 from __future__ import annotations
@@ -155,6 +157,62 @@ class _Recompiles(logging.Handler):
         self.messages.append(record.getMessage().splitlines()[0][:200])
 
 
+class StepEvents:
+    """What happened during each step that can stall one: dynamo (re)compiles (their log lines), Triton
+    JIT compiles of the hand-written kernels (a new specialisation, e.g. of the MoE kernels as row counts
+    change: ``triton.knobs.runtime.jit_post_compile_hook``), and on CUDA the allocator's new device
+    allocations and its retries after freeing its cache. ``take()`` returns the counts since the last call."""
+
+    def __init__(self, recompiles: _Recompiles, cuda: bool):
+        self.recompiles, self.cuda, self.seen = recompiles, cuda, 0
+        self.triton_compiles, self._knobs, self._old_hook = 0, None, None
+        try:
+            import triton.knobs as knobs
+
+            self._knobs, self._old_hook = knobs, knobs.runtime.jit_post_compile_hook
+            knobs.runtime.jit_post_compile_hook = self._on_compile
+        except (ImportError, AttributeError):  # an older Triton, or none: no JIT compile count
+            pass
+        self._alloc = self._allocator()
+
+    def _on_compile(self, *args, **kwargs):
+        self.triton_compiles += 1
+        return self._old_hook(*args, **kwargs) if self._old_hook is not None else None
+
+    def _allocator(self) -> tuple[int, int]:
+        if not self.cuda:
+            return 0, 0
+        stats = torch.cuda.memory_stats()
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+    def take(self) -> dict:
+        new = self.recompiles.messages[self.seen :]
+        self.seen = len(self.recompiles.messages)
+        alloc = self._allocator()
+        out = {
+            "recompiles": sum(m.startswith("Recompiling") for m in new),
+            "triton_compiles": self.triton_compiles,
+            "device_allocs": alloc[0] - self._alloc[0],
+            "alloc_retries": alloc[1] - self._alloc[1],
+        }
+        self.triton_compiles, self._alloc = 0, alloc
+        return out
+
+    def close(self) -> None:
+        if self._knobs is not None:
+            self._knobs.runtime.jit_post_compile_hook = self._old_hook
+
+
+def slow_steps(times: list[float], events: list[dict], first_step: int) -> list[dict]:
+    """The timed steps slower than 2x the median, each with what happened during it (:class:`StepEvents`)."""
+    median = statistics.median(times)
+    return [
+        {"step": first_step + i, "over_median": round(dt / median, 2), **{k: v for k, v in ev.items() if v}}
+        for i, (dt, ev) in enumerate(zip(times, events))
+        if dt > 2 * median
+    ]
+
+
 def profile_step(trainer, step: int) -> dict:
     """One profiled training step: kernels (CUDA) or top-level ops (CPU: aten ops not inside another)
     launched, the device-busy fraction, the top kernels, and the time each named range (``spider.*``,
@@ -275,6 +333,7 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     torch._logging.set_logs(recompiles=True)
     dynamo_log.addHandler(recompiles)
     result: dict = {}
+    watch = None
     try:
         run = trainer.run
         cuda = run.device.type == "cuda"
@@ -282,7 +341,8 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         if rate == rate:
             result["warm_bytes_per_segment"] = round(rate, 2)
         tokens = cfg.training.local_batch_size * cfg.training.seq_len
-        times, flops_per_byte, bps, drops = [], [], [], []
+        times, flops_per_byte, bps, drops, events = [], [], [], [], []
+        watch = StepEvents(recompiles, cuda)
         for step in range(1, args.warmup + args.steps + 1):
             if time.perf_counter() - started > args.budget_s:
                 result["budget_hit"] = f"stopped after {step - 1} steps ({args.budget_s:g} s)"
@@ -294,12 +354,14 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
             metrics = trainer.train_step(batches, step)
             float(metrics["ce_sum"])  # wait for the step
             dt = time.perf_counter() - t0
+            happened = watch.take()
             if step == 1:
                 result["compile_s"] = round(dt, 2)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
             if step > args.warmup:
                 times.append(dt)
+                events.append(happened)
                 fpb = metrics.get("aux.flops_per_byte")
                 flops_per_byte.append(
                     float(fpb) if fpb is not None else run.spec.flops_per_token(run.model_args, cfg.training.seq_len)
@@ -321,6 +383,8 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
                 tflops=float(f"{fpb * tokens / median / 1e12:.4g}"),
                 mfu=None if peak is None else round(fpb * tokens / median / peak, 4),
                 flops_per_byte=round(fpb, 1),
+                slow_steps=slow_steps(times, events, args.warmup + 1),
+                timed_step_events={k: sum(e[k] for e in events) for k in events[0]},
             )
             if bps:
                 result["bytes_per_segment"] = round(statistics.fmean(bps), 2)
@@ -335,6 +399,8 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         if "profile" in result and name.startswith("spider"):
             result["flops_share"] = flops_shares(run.model_args, cfg.training.seq_len, result.get("bytes_per_segment"))
     finally:
+        if watch is not None:
+            watch.close()
         dynamo_log.removeHandler(recompiles)
         torch._logging.set_logs()
         trainer.close()
@@ -378,6 +444,10 @@ def table(report: dict) -> str:
             for k, v in p["ranges_ms"].items()
         ]
         lines += [f"- `{k}`: {v} ms" for k, v in p["top"][:5]]
+        if "launch_parts" in p:
+            lines.append(f"- launches: {p['launch_parts']}")
+        for slow in r.get("slow_steps", []):  # what a stall coincided with (StepEvents)
+            lines.append(f"- slow step: {slow}")
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_parallelism import COMMON, TRITON, steps
+from tests.distributed.test_parallelism import COMMON, steps
 from tests.utils import check_ok, run_train
 
 pytestmark = pytest.mark.slow  # compile on 2 CPU cores: about 2 minutes per case
@@ -28,10 +28,11 @@ SMALL = ["--training.steps", "3", "--training.local_batch_size", "2", "--paralle
 
 @pytest.mark.parametrize(
     "extra, env, grad_rel",
-    # One case keeps the suite inside its budget (compile on 2 cores: ~2 min a case); it goes through
-    # the Triton custom ops and fp8 too. The torch backend gave the same losses when run by hand.
-    [(["--moe.backend", "triton", "--model.converters", "float8"], TRITON, 1e-3)],
-    ids=["triton-fp8"],
+    # One case keeps the suite inside its budget; it goes through fp8 too. The torch MoE backend: the
+    # Triton backend's kernels run in Triton's interpreter on CPU (minutes for these 12 steps on 2 ranks),
+    # and its custom ops under compile are tested in one process (test_precision_compile.py).
+    [(["--moe.backend", "torch", "--model.converters", "float8"], None, 1e-3)],
+    ids=["torch-fp8"],
 )
 def test_compiled_expert_parallel_matches_eager(tmp_path, extra, env, grad_rel):
     folders = {}

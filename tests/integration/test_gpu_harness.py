@@ -59,3 +59,24 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     assert "spider_1b_static / dense_1b bytes/s:" in table
     # static shapes: at steady state (4 bytes per segment) capacity 1.5 drops nothing
     assert rows["spider_1b_static"]["segments_dropped"] == 0.0 and "segments_dropped" not in spider
+
+
+def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
+    """A step over 2x the median is reported with the recompiles and Triton JIT compiles that ran in it."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    bench_gpu = importlib.import_module("bench_gpu")
+    log = bench_gpu._Recompiles()
+    watch = bench_gpu.StepEvents(log, cuda=False)
+    try:
+        events = []
+        for step in range(4):
+            if step == 2:  # what a stall looks like: a dynamo recompile and a new kernel specialisation
+                log.messages.append("Recompiling function forward in block.py")
+                watch._on_compile()
+            events.append(watch.take())
+    finally:
+        watch.close()
+    assert [e["recompiles"] for e in events] == [0, 0, 1, 0]
+    assert [e["triton_compiles"] for e in events] == [0, 0, 1, 0]
+    slow = bench_gpu.slow_steps([0.1, 0.1, 0.5, 0.1], events, first_step=4)
+    assert slow == [{"step": 6, "over_median": 5.0, "recompiles": 1, "triton_compiles": 1}]

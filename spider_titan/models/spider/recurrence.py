@@ -277,9 +277,10 @@ class RecurrentCore(nn.Module):
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
-                # For torch.compile (no-ops otherwise): the loop index goes in as a tensor and the
-                # segment count as a symbol, so one graph serves every loop and every batch.
-                for t, dim in ((h, 1), (injected, 1), (freqs, freqs.dim() - 3), (bucket_ids, 1), (seg_real, 1)):
+                # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
+                # the segment count as a symbol (run_loop marks the state), so one graph serves every
+                # loop and every batch instead of a recompile per loop index and per new count.
+                for t, dim in ((freqs, freqs.dim() - 3), (bucket_ids, 1), (seg_real, 1)):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
                 if packed is not None:
                     torch._dynamo.maybe_mark_dynamic(packed.index, 0)
@@ -330,6 +331,7 @@ class RecurrentCore(nn.Module):
         h = decay * before + injected
         if self.loop_embedding is not None:
             h = h + _at(self.loop_embedding.weight, loop).to(h.dtype)
+        torch._dynamo.maybe_mark_dynamic(h, 1)  # the state the first block receives (see forward)
         for j, block in enumerate(self.layers):
             if caches is None:
                 h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, packed=packed)
