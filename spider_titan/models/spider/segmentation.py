@@ -131,6 +131,11 @@ class Segmentation:
     max_row_segments: int | None
     total_segments: int | None
 
+    @property
+    def capped(self) -> bool:
+        """Whether a capacity sized S (segments past it may exist; nothing was read back)."""
+        return self.total_segments is None
+
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, dim=1) - x
@@ -216,11 +221,13 @@ def downsample(x: torch.Tensor, seg: Segmentation) -> torch.Tensor:
     by a scatter-add into the segments (one more slot collects the bytes of segments past a
     capacity): O(T * dim) memory."""
     B, T, D = x.shape
-    S = seg.num_segments
-    seg_id = seg.seg_id.clamp(max=S)
-    num = x.new_zeros(B, S + 1, D, dtype=torch.float32).scatter_add(1, seg_id.unsqueeze(-1).expand(B, T, D), x.float())
+    S, extra = seg.num_segments, int(seg.capped)
+    seg_id = seg.seg_id.clamp(max=S) if seg.capped else seg.seg_id
+    num = x.new_zeros(B, S + extra, D, dtype=torch.float32).scatter_add(
+        1, seg_id.unsqueeze(-1).expand(B, T, D), x.float()
+    )
     ones = torch.ones(B, T, dtype=torch.float32, device=x.device)
-    den = ones.new_zeros(B, S + 1).scatter_add(1, seg_id, ones)[:, :S]  # (B, S) byte counts
+    den = ones.new_zeros(B, S + extra).scatter_add(1, seg_id, ones)[:, :S]  # (B, S) byte counts
     den = torch.where(seg.seg_valid, den, torch.ones_like(den))
     return (num[:, :S] / den.unsqueeze(-1)).to(x.dtype)
 
@@ -253,6 +260,8 @@ def upsample_own(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
     """y (B, S, dim) -> (B, T, dim): byte t gets y of its OWN segment ``seg_id[t]`` (H-Net's dechunk);
     causal only together with :func:`downsample_first`. Zero for segments past a capacity."""
     B, T = seg.seg_id.shape
+    if not seg.capped:
+        return y.gather(1, seg.seg_id.unsqueeze(-1).expand(B, T, y.shape[-1]))
     S = y.shape[1]
     out = y.gather(1, seg.seg_id.clamp(max=S - 1).unsqueeze(-1).expand(B, T, y.shape[-1]))
     return out * (seg.seg_id < S).unsqueeze(-1).to(y.dtype)
