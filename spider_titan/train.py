@@ -421,6 +421,9 @@ class Trainer:
         return 0
 
     def close(self) -> None:
+        data_iter = getattr(self, "data_iter", None)
+        if data_iter is not None:
+            data_iter.close()  # DataLoader workers end now (data/loader.py), not 5 s into a later gc
         stop = getattr(self, "stop", None)
         if stop is not None:
             stop.restore()

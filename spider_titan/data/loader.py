@@ -424,11 +424,17 @@ class ByteDataLoader(Stateful):
             batches = iter(
                 DataLoader(_WorkerBatches(self._sampler, first), batch_size=None, num_workers=self.num_workers)
             )
-        for batch in batches:
-            if isinstance(batch, DataError):  # from a worker (_WorkerBatches)
-                raise batch
-            self.samples_consumed += g
-            yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
+        try:
+            for batch in batches:
+                if isinstance(batch, DataError):  # from a worker (_WorkerBatches)
+                    raise batch
+                self.samples_consumed += g
+                yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
+        finally:
+            # Closing this generator drops the last reference to the workers' iterator, which ends them
+            # now. Left to a gc.collect of the whole run, the iterator's queues can be finalised before
+            # it, its stop message is never sent, and each worker waits out a 5 s timeout.
+            del batches
 
     def state_dict(self) -> dict[str, Any]:
         """The position in global samples (the same on every rank and for every world size)."""

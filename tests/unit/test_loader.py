@@ -421,3 +421,24 @@ def test_the_train_loop_copies_batches_without_blocking(monkeypatch, in_process,
     finally:
         trainer.close()
     assert len(batches) == 2 and len(calls) == 6 and all(calls), calls
+
+
+def test_closing_the_trainer_ends_its_data_workers_at_once(in_process, tmp_path):
+    """Trainer.close() ends the DataLoader workers itself. Left to the garbage collector (the run's
+    objects form cycles), the workers' queues could be finalised before their iterator, which then
+    never sent the stop message: every run with ``training.num_workers > 0`` ended 5 s late."""
+    import multiprocessing
+
+    from spider_titan.config.manager import parse_args
+    from spider_titan.train import Trainer
+
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "mock"]
+    argv += ["--training.num_workers", "1", "--validation.enable", "false", "--job.dump_folder", str(tmp_path)]
+    trainer = Trainer(parse_args(argv, env={}))
+    try:
+        trainer.next_micro_batches()
+        workers = multiprocessing.active_children()
+        assert len(workers) == 1, workers  # the control: the worker runs
+    finally:
+        trainer.close()
+    assert not any(w.is_alive() for w in workers), workers  # gone at close, no timeout waited out
