@@ -156,6 +156,9 @@ class Training:
     CPU bf16 matmuls are slower than fp32 and gloo reductions are checked in fp32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """dtype of gradient reduce-scatter under FSDP."""
+    cast_weights_once: bool = True
+    """Under autocast (one GPU, no FSDP): cast the matmul weights to the compute dtype once per step,
+    shared by every loop, micro-batch and recompute (training/precision.py), not at every use."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before FSDP)."""
     num_workers: int = ranged(0, low=0)

@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -123,7 +123,7 @@ class Trainer:
             command=self.command,
         )
         # The model's eval passes: the same model, spec, device, precision and stop signal.
-        evals = dict(device=run.device, autocast=self._autocast, stop=self.stop)
+        evals = dict(device=run.device, autocast=self._eval_precision, stop=self.stop)
         # Validation replays the same batches every time, from where its loader stands now.
         self.validator = (
             Validator(
@@ -164,6 +164,17 @@ class Trainer:
         dtype = self.run.autocast_dtype
         return torch.autocast(self.run.device.type, dtype=dtype) if dtype is not None else nullcontext()
 
+    def _compute_weights(self):
+        """The matmul weights cast once for everything inside (parallel/precision.py), when on."""
+        weights = self.run.compute_weights
+        return weights() if weights is not None else nullcontext()
+
+    @contextmanager
+    def _eval_precision(self):
+        """An eval forward's precision: the train step's, weights cast once per call."""
+        with self._compute_weights(), self._autocast():
+            yield
+
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(inputs, labels, sample_ids)`` per micro-batch; sample_ids (passed to models whose spec
         asks for them) key training noise by global sample index (offset by the seed), independent
@@ -198,22 +209,23 @@ class Trainer:
 
         ce_total = torch.zeros((), device=run.device)
         aux_totals: dict[str, torch.Tensor] = {}
-        for i, (inputs, labels, sample_ids) in enumerate(micro_batches):
-            # FSDP reduce-scatters gradients on the last micro-batch only (once per step)
-            with maybe_no_grad_sync(model, is_last_microbatch=i == accum - 1):
-                extra = {"sample_ids": sample_ids} if "sample_ids" in run.spec.train_inputs else {}
-                if "step" in run.spec.train_inputs:  # keys per-step training randomness (Spider's loop count)
-                    extra["step"] = step
-                with self._autocast():
-                    out = model(inputs, **extra)
-                ce = run.spec.loss_sum(out.logits, labels)
-                loss = ce * (dp / global_tokens)
-                if out.aux_loss is not None:
-                    loss = loss + out.aux_loss / accum
-                loss.backward()
-            ce_total += ce.detach()
-            for key, value in out.aux.items():
-                aux_totals[key] = aux_totals.get(key, 0) + value.detach().float() / accum
+        with self._compute_weights():  # one cast per weight for every micro-batch's forward and backward
+            for i, (inputs, labels, sample_ids) in enumerate(micro_batches):
+                # FSDP reduce-scatters gradients on the last micro-batch only (once per step)
+                with maybe_no_grad_sync(model, is_last_microbatch=i == accum - 1):
+                    extra = {"sample_ids": sample_ids} if "sample_ids" in run.spec.train_inputs else {}
+                    if "step" in run.spec.train_inputs:  # keys per-step training randomness (Spider's loop count)
+                        extra["step"] = step
+                    with self._autocast():
+                        out = model(inputs, **extra)
+                    ce = run.spec.loss_sum(out.logits, labels)
+                    loss = ce * (dp / global_tokens)
+                    if out.aux_loss is not None:
+                        loss = loss + out.aux_loss / accum
+                    loss.backward()
+                ce_total += ce.detach()
+                for key, value in out.aux.items():
+                    aux_totals[key] = aux_totals.get(key, 0) + value.detach().float() / accum
 
         grad_norm = clip_grad_norm_(list(model.parameters()), self.cfg.training.max_norm)
         step_reports: dict[str, torch.Tensor] = {}
