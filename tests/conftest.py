@@ -8,10 +8,16 @@ import os
 import signal
 import threading
 
-import pytest
-import torch
+# One inductor compile thread per process (read when torch._inductor.config is first imported, and
+# inherited by every run a test starts): the suite already keeps both cores busy, and the default (a
+# worker pool per process on this 2-core machine) only adds processes. Measured on the compiled
+# expert-parallel run: 163 CPU-seconds against 181.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from tests.utils import REPO
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.utils import REPO  # noqa: E402
 
 
 def _interrupt(signum, frame):

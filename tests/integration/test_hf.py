@@ -239,7 +239,7 @@ def test_lm_eval_rolling_bits_per_byte_equal_spider_titans(export, tmp_path, mon
         model="hf",
         model_args=f"pretrained={export},trust_remote_code=True,dtype=float32",
         tasks=["spider_local_bpb"],
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),  # not 13k built-in YAMLs
         device="cpu",
         batch_size=1,
     )
