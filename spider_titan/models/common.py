@@ -74,6 +74,35 @@ class PreNormBlock(nn.Module):
         self.feed_forward.init_weights(init_std, out_std)
 
 
+class GrowingTensor:
+    """A tensor appended to along ``dim`` (decoding caches), in a buffer that doubles when full: an
+    append copies only the new positions, not everything held (``torch.cat`` would, every byte)."""
+
+    def __init__(self, dim: int):
+        self.dim, self.length = dim, 0
+        self.buffer: torch.Tensor | None = None
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` along ``dim``; returns a view of everything held."""
+        end = self.length + x.shape[self.dim]
+        if self.buffer is None or end > self.buffer.shape[self.dim]:
+            held = 0 if self.buffer is None else self.buffer.shape[self.dim]
+            shape = list(x.shape)
+            shape[self.dim] = max(end, 2 * held, 64)
+            grown = x.new_empty(shape)
+            if self.buffer is not None:
+                grown.narrow(self.dim, 0, self.length).copy_(self.view())
+            self.buffer = grown
+        self.buffer.narrow(self.dim, self.length, end - self.length).copy_(x)
+        self.length = end
+        return self.view()
+
+    def view(self) -> torch.Tensor:
+        """Everything appended so far (a view of the buffer)."""
+        assert self.buffer is not None, "nothing appended yet"
+        return self.buffer.narrow(self.dim, 0, self.length)
+
+
 def rope_frequencies(head_dim: int, max_len: int, theta: float, device=None) -> torch.Tensor:
     """RoPE rotations as ``(max_len, head_dim // 2, 2)`` fp32 [cos, sin] pairs.
 

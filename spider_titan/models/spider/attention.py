@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.common import apply_rope, causal_sdpa
+from spider_titan.models.common import GrowingTensor, apply_rope, causal_sdpa
 from spider_titan.models.spider.args import SpiderArgs
 
 # x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
@@ -62,16 +62,15 @@ class PackedRows(NamedTuple):
 
 
 class KVCache:
-    """The keys and values one attention layer has seen, (B, positions, H, ...), grown by ``extend``."""
+    """The keys and values one attention layer has seen, kept as SDPA reads them, (B, H, positions, d),
+    in buffers that grow by doubling (``GrowingTensor``): a new byte copies its own keys only."""
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k, self.v = GrowingTensor(dim=2), GrowingTensor(dim=2)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
-        return self.k, self.v
+        """Append ``k, v (B, T, H, d)``; every position held, (B, H, past + T, d)."""
+        return self.k.append(k.transpose(1, 2)), self.v.append(v.transpose(1, 2))
 
 
 class MLA(nn.Module):
@@ -149,12 +148,10 @@ class MLA(nn.Module):
         elif cache is None:
             out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)  # (B, H, T, v)
         else:
-            k, v = cache.extend(k, v)  # (B, past + T, H, ...)
-            past = k.shape[1] - t
+            k, v = cache.extend(k, v)  # (B, H, past + T, ...)
+            past = k.shape[2] - t
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
-            )
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale)
         out = out.transpose(1, 2).reshape(b, t, h * self.v_head_dim)
         y = self.wo(out)
         if o_adapter is not None:

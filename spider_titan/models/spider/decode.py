@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spider_titan.models.common import rope_frequencies
+from spider_titan.models.common import GrowingTensor, rope_frequencies
 from spider_titan.models.spider.attention import KVCache
 from spider_titan.models.spider.model import Spider
 
@@ -43,9 +43,9 @@ class RowCache:
     prelude: list[KVCache]
     coda: list[KVCache]
     core: list[list[KVCache]]  # [loop][block]
-    ids: list[int] = field(default_factory=list)
-    states: list[torch.Tensor] = field(default_factory=list)  # prelude outputs, (1, 1, width) each
-    scores: list[torch.Tensor] = field(default_factory=list)  # raw boundary scores, (1, 1) each
+    ids: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # the bytes (1, T) int64
+    states: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # prelude outputs (1, T, width)
+    scores: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # raw boundary scores (1, T)
     closed: int = 0  # segments handed to the core
     context: torch.Tensor | None = None  # up_proj of the newest segment handed over (smoothed), (1, 1, width)
 
@@ -59,7 +59,7 @@ class SpiderCache:
     @property
     def length(self) -> list[int]:
         """Bytes each row holds."""
-        return [len(r.ids) for r in self.rows]
+        return [r.ids.length for r in self.rows]
 
 
 def new_cache(model: Spider, batch_size: int, n_loops: int | None = None) -> SpiderCache:
@@ -100,15 +100,15 @@ def decode(model: Spider, ids: torch.Tensor, cache: SpiderCache, lengths: list[i
 def _step(model: Spider, cache: SpiderCache, row: RowCache, byte: int) -> torch.Tensor:
     """One byte through the model with ``row``'s caches: its logits (1, 1, vocab)."""
     a = model.args
-    pos = len(row.ids)
+    pos = row.ids.length
     if pos >= a.max_seq_len:
         raise ValueError(f"decode: the row holds max_seq_len = {a.max_seq_len} bytes; start a new cache")
     device = cache.freqs.device
-    row.ids.append(byte)
+    byte_id = torch.tensor([[byte]], device=device)
+    ids = row.ids.append(byte_id)  # (1, T)
     freqs = cache.freqs[pos : pos + 1]
-    x = model.prelude(model.embed_tokens(torch.tensor([[byte]], device=device)), freqs, row.prelude)
+    x = model.prelude(model.embed_tokens(byte_id), freqs, row.prelude)
     row.states.append(x)
-    ids = torch.tensor([row.ids], device=device)
     _close_segments(model, cache, row, ids)
     y = row.context if row.context is not None else torch.zeros_like(x)
     x = model.residual_proj(x) + y
@@ -118,10 +118,11 @@ def _step(model: Spider, cache: SpiderCache, row: RowCache, byte: int) -> torch.
 def _boundary_logits(model: Spider, row: RowCache, ids: torch.Tensor) -> torch.Tensor:
     """The row's boundary logits so far (1, T), as ``Chunker.logits`` computes them over the whole row."""
     if model.boundary_predictor is None:  # constant logits: any (1, T, dim) view gives their shape, no copy
-        return model.chunker.logits(None, row.states[-1].expand(-1, ids.shape[1], -1))
-    last_two = torch.cat(row.states[-2:], dim=1)  # h_{t-1}, h_t
-    row.scores.append(model.boundary_predictor.raw_score(last_two)[:, -1:])
-    return model.boundary_predictor.logits(torch.cat(row.scores, dim=1))
+        return model.chunker.logits(None, row.states.view()[:, -1:].expand(-1, ids.shape[1], -1))
+    states = row.states.view()
+    last_two = states[:, -2:]  # h_{t-1}, h_t
+    scores = row.scores.append(model.boundary_predictor.raw_score(last_two)[:, -1:])
+    return model.boundary_predictor.logits(scores)
 
 
 def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch.Tensor) -> None:
@@ -132,7 +133,7 @@ def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch
     final = chunker.final_segments(seg, ids.shape[1])
     if final <= row.closed:
         return
-    pooled = chunker.pool(torch.cat(row.states, dim=1), seg)  # (1, S, dim)
+    pooled = chunker.pool(row.states.view(), seg)  # (1, S, dim)
     buckets = chunker.engram_ids(ids, seg)  # (1, S, 2)
     smoothing = chunker.smoothing(seg)  # (1, S) or None
     ones = torch.ones(1, 1, dtype=torch.bool, device=ids.device)
