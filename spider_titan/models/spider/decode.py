@@ -9,9 +9,10 @@ tests/unit/test_decode_cache.py) and runs the model's own modules and its Chunke
 * byte blocks (prelude, coda): a key/value cache per MLA layer (``attention.KVCache``);
 * segmentation: the boundary predictor's raw score of the new byte from it and the byte before
   (``BoundaryPredictor.raw_score``), the row's raw scores kept, then the Chunker's ``segment`` over the
-  row so far. A boundary is final once the byte after it is known (the forced boundaries look one
-  byte ahead), so the Chunker says which segments are final (``final_segments``) and each goes to the
-  core once, with its vector and Engram ids as the full forward computes them;
+  row's open tail (two closed segments and what follows: ``_close_segments``). A boundary is final
+  once the byte after it is known (the forced boundaries look one byte ahead), so the Chunker says
+  which segments are final (``final_segments``) and each goes to the core once, with its vector and
+  Engram ids as the full forward computes them;
 * the core: a key/value cache per (loop, block), fed one segment at a time; ``up_proj`` of the newest
   segment handed over (smoothed by one step of the Chunker's EMA) is what the next bytes read;
 * per-row state: rows may hold different lengths, so each row has its own caches and a batch is
@@ -29,6 +30,7 @@ import torch
 from spider_titan.models.common import GrowingTensor, rope_frequencies
 from spider_titan.models.spider.attention import KVCache
 from spider_titan.models.spider.model import Spider
+from spider_titan.models.spider.segmentation import segment_starts
 
 
 def unsupported(model: Spider) -> str | None:
@@ -47,6 +49,7 @@ class RowCache:
     states: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # prelude outputs (1, T, width)
     scores: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # raw boundary scores (1, T)
     closed: int = 0  # segments handed to the core
+    starts: list[int] = field(default_factory=list)  # the first byte of each segment handed over
     context: torch.Tensor | None = None  # up_proj of the newest segment handed over (smoothed), (1, 1, width)
 
 
@@ -126,26 +129,37 @@ def _boundary_logits(model: Spider, row: RowCache, ids: torch.Tensor) -> torch.T
 
 
 def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch.Tensor) -> None:
-    """Hand the core every segment that is now final (``Chunker.final_segments``)."""
+    """Hand the core every segment that is now final (``Chunker.final_segments``).
+
+    The Chunker runs on a window of the row, not the whole row: from the first byte of the segment
+    two before the first open one (a boundary there is final, so the window segments as the row
+    does; the two segments give the Engram's order-2 hash and the smoothing weight, which read
+    the segment before, their history), to the last byte. Only the logits see the whole row."""
     chunker = model.chunker
     logits = _boundary_logits(model, row, ids)
-    seg = chunker.segment(logits, ids)
-    final = chunker.final_segments(seg, ids.shape[1])
+    first = max(row.closed - 2, 0)  # the window's first segment, in row numbering
+    start = row.starts[first] if first else 0  # its first byte
+    window = ids[:, start:]
+    seg = chunker.segment(logits[:, start:], window)
+    final = first + chunker.final_segments(seg, window.shape[1])
     if final <= row.closed:
         return
-    pooled = chunker.pool(row.states.view(), seg)  # (1, S, dim)
-    buckets = chunker.engram_ids(ids, seg)  # (1, S, 2)
-    smoothing = chunker.smoothing(seg)  # (1, S) or None
+    pooled = chunker.pool(row.states.view()[:, start:], seg)  # (1, S_window, dim)
+    buckets = chunker.engram_ids(window, seg)  # (1, S_window, 2)
+    smoothing = chunker.smoothing(seg)  # (1, S_window) or None
+    starts = (segment_starts(seg) + start)[0].tolist()
     ones = torch.ones(1, 1, dtype=torch.bool, device=ids.device)
     for k in range(row.closed, final):
+        j = k - first  # the segment in the window
         out = model.core(
-            pooled[:, k : k + 1],
+            pooled[:, j : j + 1],
             n_loops=cache.n_loops,
             freqs=cache.freqs[k : k + 1],
-            bucket_ids=buckets[:, k : k + 1],
+            bucket_ids=buckets[:, j : j + 1],
             seg_real=ones,
             caches=row.core,
         )
-        p = None if smoothing is None else smoothing[0, k]
+        p = None if smoothing is None else smoothing[0, j]
         row.context = chunker.smooth_step(p, model.up_proj(out.output), row.context)
+        row.starts.append(starts[j])
     row.closed = final
