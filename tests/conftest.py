@@ -13,11 +13,17 @@ import threading
 # worker pool per process on this 2-core machine) only adds processes. Measured on the compiled
 # expert-parallel run: 163 CPU-seconds against 181.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One intra-op thread in the test processes too, as the runs they start already have (tests/utils.py):
+# with both cores taken by the two pytest workers, a second OpenMP thread only spins against the other
+# worker (a decode test measured 18.6 s with two threads against 6.8 s with one, on a loaded machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.utils import REPO  # noqa: E402
+
+torch.set_num_threads(1)  # in case torch was imported before this file (a plugin)
 
 
 def _interrupt(signum, frame):
