@@ -158,7 +158,7 @@ class Training:
     """dtype of gradient reduce-scatter under FSDP."""
     cast_weights_once: bool = True
     """Under autocast (one GPU, no FSDP): cast the matmul weights to the compute dtype once per step,
-    shared by every loop, micro-batch and recompute (training/precision.py), not at every use."""
+    shared by every loop, micro-batch and recompute (parallel/precision.py), not at every use."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before FSDP)."""
     num_workers: int = ranged(0, low=0)
