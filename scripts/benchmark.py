@@ -17,6 +17,7 @@ and the results to FILE.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -377,8 +378,6 @@ def generate_speed(args: argparse.Namespace) -> dict:
     (models/spider/decode.py) vs recomputing the context every byte, at several context lengths
     (``--tokens``, default 256,1024,4096): bytes/s of each and their ratio, in one process. The
     context is filled first (untimed); then ``new`` bytes are timed, greedy."""
-    import dataclasses
-
     from spider_titan.generation import sample_next
     from spider_titan.models.spider import SPIDER_FLAVORS, Spider
     from spider_titan.models.spider.decode import decode, new_cache
@@ -414,7 +413,42 @@ def generate_speed(args: argparse.Namespace) -> dict:
                 "ratio": round(cached / recompute, 1),
                 "timed_bytes": {"cached": new, "recompute": steps},
             }
-    return {"model": "spider debug, random weights, fp32, 1 row", "contexts": results}
+    return {
+        "model": "spider debug, random weights, fp32, 1 row",
+        "contexts": results,
+        "generate_py": _time_generate_script(model, text[:1000], args.model),
+    }
+
+
+def _time_generate_script(model: torch.nn.Module, prompt: bytes, export: str | None) -> dict:
+    """``scripts/generate.py`` itself, cached and with ``--no_cache``: a 1,000-byte prompt, 200 new
+    bytes (seeded sampling), on ``export`` (default: ``model`` written as an export to a temporary
+    folder): the wall time of each command and the bytes/s it reports (its prompt and sampling)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from spider_titan.checkpoint.export import write_export
+    from spider_titan.checkpoint.layout import ModelIdentity
+
+    label = export or "the random model, exported"
+    with tempfile.TemporaryDirectory() as tmp:
+        if export is None:
+            export = str(Path(tmp) / "export")
+            identity = ModelIdentity.of("spider", "debug", dataclasses.asdict(model.args))
+            write_export(model.state_dict(), identity, Path(export), dtype=torch.float32)
+        (Path(tmp) / "prompt").write_bytes(prompt)
+        base = [sys.executable, str(Path(__file__).with_name("generate.py")), "--model", export, "--report"]
+        base += ["--prompt_file", str(Path(tmp) / "prompt"), "--max_new_bytes", "200", "--device", "cpu"]
+        row = {"model": label, "prompt_bytes": len(prompt), "new_bytes": 200}
+        for name, extra in (("cached", []), ("no_cache", ["--no_cache"])):
+            t0 = time.perf_counter()
+            done = subprocess.run(base + extra, capture_output=True, text=True, check=True)
+            wall = time.perf_counter() - t0
+            rate = re.search(r"\(([\d.]+) bytes/s", done.stderr)
+            row[name] = {"wall_s": round(wall, 2), "reported_bytes_per_s": float(rate.group(1)) if rate else None}
+        row["ratio"] = round(row["cached"]["reported_bytes_per_s"] / row["no_cache"]["reported_bytes_per_s"], 1)
+    return row
 
 
 @scenario("ep_capacity")
@@ -452,6 +486,7 @@ def main() -> int:
     parser.add_argument(
         "--tokens", default="512", help="moe_layer: comma-separated token counts; attention: sequence lengths"
     )
+    parser.add_argument("--model", help="generate: time scripts/generate.py on this export (default: the random model)")
     parser.add_argument("--moe_backends", default="", help="moe_layer: comma-separated (python_loop,torch,triton)")
     args = parser.parse_args()
 

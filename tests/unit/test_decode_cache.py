@@ -51,7 +51,7 @@ def _row(n: int, seed: int) -> list[int]:
     ids=str,
 )
 def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops, convention):
-    """A 520-byte row (an 8-byte prompt, then 512 bytes): every position's logits, with our segment
+    """A 520-byte row (an 8-byte prompt, 64 bytes one by one, then 448 at once): every position's logits, with our segment
     convention (``mean``) and with H-Net's (``first``: chunk starts), learned segments (dechunk
     smoothing and the confidence factor) and fixed ones (neither)."""
     model = _model(boundary_predictor=predictor, chunk_convention=convention)
@@ -61,8 +61,11 @@ def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loo
         segments = model(ids, n_loops=n_loops).aux["bytes_per_segment"]
     assert 2.0 < float(segments) < 12.0  # the rule really cuts (a realistic rate, not every byte)
     cache = new_cache(model, 1, n_loops=n_loops)
-    got = torch.cat([decode(model, ids[:, :8], cache), decode(model, ids[:, 8:], cache)], dim=1)  # prefill, then more
-    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+    # a prompt at once, then 64 bytes one at a time (generation), then the rest at once (a next turn)
+    pieces = [decode(model, ids[:, :8], cache)]
+    pieces += [decode(model, ids[:, j : j + 1], cache) for j in range(8, 72)]
+    pieces.append(decode(model, ids[:, 72:], cache))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_rows_of_different_lengths_and_chunked_appends():

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spider_titan.models.common import GrowingTensor, apply_rope, causal_sdpa
@@ -71,6 +70,19 @@ class KVCache:
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v (B, T, H, d)``; every position held, (B, H, past + T, d)."""
         return self.k.append(k.transpose(1, 2)), self.v.append(v.transpose(1, 2))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Append ``k, v``; the causal attention of the new queries ``q (B, H, T, d)`` over every
+        position held (B, H, T, d_v). Written out (two matmuls): SDPA's math fallback, all a CPU has
+        for MLA's unequal head dims, scales the transposed key cache element by element, the cost
+        that grew with the context."""
+        k, v = self.extend(k, v)
+        t, held = q.shape[2], k.shape[2]
+        scores = torch.matmul(q * scale, k.transpose(-2, -1)).float()  # (B, H, T, held)
+        if t > 1:  # the new positions see the past and each other causally
+            mask = torch.ones(t, held, dtype=torch.bool, device=q.device).tril(diagonal=held - t)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 class MLA(nn.Module):
@@ -148,10 +160,7 @@ class MLA(nn.Module):
         elif cache is None:
             out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale)  # (B, H, T, v)
         else:
-            k, v = cache.extend(k, v)  # (B, H, past + T, ...)
-            past = k.shape[2] - t
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale)
+            out = cache.attend(q.transpose(1, 2), k, v, self.scale)  # (B, H, T, v)
         out = out.transpose(1, 2).reshape(b, t, h * self.v_head_dim)
         y = self.wo(out)
         if o_adapter is not None:

@@ -13,7 +13,7 @@ tests/unit/test_decode_cache.py) and runs the model's own modules and its Chunke
   once the byte after it is known (the forced boundaries look one byte ahead), so the Chunker says
   which segments are final (``final_segments``) and each goes to the core once, with its vector and
   Engram ids as the full forward computes them;
-* the core: a key/value cache per (loop, block), fed one segment at a time; ``up_proj`` of the newest
+* the core: a key/value cache per (loop, block), fed the newly final segments together; ``up_proj`` of the newest
   segment handed over (smoothed by one step of the Chunker's EMA) is what the next bytes read;
 * per-row state: rows may hold different lengths, so each row has its own caches and a batch is
   decoded row by row (the per-byte work is small matrices either way on a CPU).
@@ -89,77 +89,82 @@ def decode(model: Spider, ids: torch.Tensor, cache: SpiderCache, lengths: list[i
     """Append ``ids (B, t)`` to the rows of ``cache``; their logits (B, t, vocab), as the full forward.
 
     ``lengths`` (one per row, <= t): append only the first ``lengths[i]`` ids of row i (prompts of
-    different lengths in one batch); the logits past a row's length are zero."""
+    different lengths in one batch); the logits past a row's length are zero. A row's new ids go
+    through the model together (a prompt is one forward, not one per byte)."""
     if ids.dim() != 2 or ids.shape[0] != len(cache.rows):
         raise ValueError(f"decode: ids must be (batch={len(cache.rows)}, t), got {tuple(ids.shape)}")
     lengths = [ids.shape[1]] * ids.shape[0] if lengths is None else list(lengths)
     out = torch.zeros(*ids.shape, model.lm_head.out_features, device=cache.freqs.device)
     for i, row in enumerate(cache.rows):
-        for j, b in enumerate(ids[i, : lengths[i]].tolist()):
-            out[i, j] = _step(model, cache, row, b)[0, 0]
+        if lengths[i] > 0:
+            out[i, : lengths[i]] = _extend(model, cache, row, ids[i : i + 1, : lengths[i]])[0]
     return out
 
 
-def _step(model: Spider, cache: SpiderCache, row: RowCache, byte: int) -> torch.Tensor:
-    """One byte through the model with ``row``'s caches: its logits (1, 1, vocab)."""
+def _extend(model: Spider, cache: SpiderCache, row: RowCache, new: torch.Tensor) -> torch.Tensor:
+    """The bytes ``new (1, t)`` through the model with ``row``'s caches: their logits (1, t, vocab)."""
     a = model.args
-    pos = row.ids.length
-    if pos >= a.max_seq_len:
-        raise ValueError(f"decode: the row holds max_seq_len = {a.max_seq_len} bytes; start a new cache")
-    device = cache.freqs.device
-    byte_id = torch.tensor([[byte]], device=device)
-    ids = row.ids.append(byte_id)  # (1, T)
-    freqs = cache.freqs[pos : pos + 1]
-    x = model.prelude(model.embed_tokens(byte_id), freqs, row.prelude)
+    pos, t = row.ids.length, new.shape[1]
+    if pos + t > a.max_seq_len:
+        raise ValueError(f"decode: {pos} + {t} bytes exceed max_seq_len = {a.max_seq_len}; start a new cache")
+    freqs = cache.freqs[pos : pos + t]
+    ids = row.ids.append(new)  # (1, T)
+    x = model.prelude(model.embed_tokens(new), freqs, row.prelude)  # (1, t, dim)
     row.states.append(x)
-    _close_segments(model, cache, row, ids)
-    y = row.context if row.context is not None else torch.zeros_like(x)
-    x = model.residual_proj(x) + y
+    x = model.residual_proj(x) + _close_segments(model, cache, row, ids, t)
     return model.lm_head(model.norm(model.coda(x, freqs, row.coda)))
 
 
-def _boundary_logits(model: Spider, row: RowCache, ids: torch.Tensor) -> torch.Tensor:
-    """The row's boundary logits so far (1, T), as ``Chunker.logits`` computes them over the whole row."""
+def _boundary_logits(model: Spider, row: RowCache, ids: torch.Tensor, t: int) -> torch.Tensor:
+    """The row's boundary logits so far (1, T), as ``Chunker.logits`` computes them over the whole
+    row, after its last ``t`` bytes were appended."""
     if model.boundary_predictor is None:  # constant logits: any (1, T, dim) view gives their shape, no copy
         return model.chunker.logits(None, row.states.view()[:, -1:].expand(-1, ids.shape[1], -1))
     states = row.states.view()
-    last_two = states[:, -2:]  # h_{t-1}, h_t
-    scores = row.scores.append(model.boundary_predictor.raw_score(last_two)[:, -1:])
+    recent = states[:, max(states.shape[1] - t - 1, 0) :]  # the new states and h_{t-1} of the first
+    scores = row.scores.append(model.boundary_predictor.raw_score(recent)[:, -t:])
     return model.boundary_predictor.logits(scores)
 
 
-def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch.Tensor) -> None:
-    """Hand the core every segment that is now final (``Chunker.final_segments``).
+def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch.Tensor, t: int) -> torch.Tensor:
+    """Hand the core every segment that is now final (``Chunker.final_segments``), all at once; what
+    each of the row's last ``t`` bytes reads from the core (1, t, width): the smoothed output of the
+    newest segment final at that byte (zeros before the first).
 
     The Chunker runs on a window of the row, not the whole row: from the first byte of the segment
     two before the first open one (a boundary there is final, so the window segments as the row
     does; the two segments give the Engram's order-2 hash and the smoothing weight, which read
-    the segment before, their history), to the last byte. Only the logits see the whole row."""
+    the segment before, their history), to the last byte. Only the logits see the whole row.
+    A segment final at byte p stays so (a boundary is final once the byte after it is known), so
+    the window's segmentation gives every new byte its segment, whichever byte the window ends at."""
     chunker = model.chunker
-    logits = _boundary_logits(model, row, ids)
+    logits = _boundary_logits(model, row, ids, t)
     first = max(row.closed - 2, 0)  # the window's first segment, in row numbering
     start = row.starts[first] if first else 0  # its first byte
     window = ids[:, start:]
     seg = chunker.segment(logits[:, start:], window)
     final = first + chunker.final_segments(seg, window.shape[1])
-    if final <= row.closed:
-        return
-    pooled = chunker.pool(row.states.view()[:, start:], seg)  # (1, S_window, dim)
-    buckets = chunker.engram_ids(window, seg)  # (1, S_window, 2)
-    smoothing = chunker.smoothing(seg)  # (1, S_window) or None
-    starts = (segment_starts(seg) + start)[0].tolist()
-    ones = torch.ones(1, 1, dtype=torch.bool, device=ids.device)
-    for k in range(row.closed, final):
-        j = k - first  # the segment in the window
+    newest = [row.context]  # the smoothed output of segment closed - 1 onwards (None: before segment 0)
+    if final > row.closed:
+        j0, j1 = row.closed - first, final - first  # the newly final segments, in the window
+        states = row.states.view()[:, start:]
         out = model.core(
-            pooled[:, j : j + 1],
+            chunker.pool(states, seg)[:, j0:j1],
             n_loops=cache.n_loops,
-            freqs=cache.freqs[k : k + 1],
-            bucket_ids=buckets[:, j : j + 1],
-            seg_real=ones,
+            freqs=cache.freqs[row.closed : final],
+            bucket_ids=chunker.engram_ids(window, seg)[:, j0:j1],
+            seg_real=torch.ones(1, j1 - j0, dtype=torch.bool, device=ids.device),
             caches=row.core,
         )
-        p = None if smoothing is None else smoothing[0, j]
-        row.context = chunker.smooth_step(p, model.up_proj(out.output), row.context)
-        row.starts.append(starts[j])
-    row.closed = final
+        up = model.up_proj(out.output)  # (1, n, width)
+        smoothing = chunker.smoothing(seg)  # (1, S_window) or None
+        for i in range(j1 - j0):
+            p = None if smoothing is None else smoothing[0, j0 + i]
+            newest.append(chunker.smooth_step(p, up[:, i : i + 1], newest[-1]))
+        row.starts.extend((segment_starts(seg) + start)[0, j0:j1].tolist())
+    # the newest segment final at each new byte, counted from segment closed - 1 (index 0 of newest)
+    final_at = seg.seg_id[0, -t:] + (first - row.closed + int(chunker.chunk_start))
+    row.closed, row.context = final, newest[-1]
+    zeros = torch.zeros_like(row.states.view()[:, :1])
+    table = torch.cat([zeros if y is None else y for y in newest], dim=1)  # (1, 1 + n, width)
+    return table[:, final_at]
