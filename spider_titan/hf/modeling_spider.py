@@ -98,19 +98,16 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits (B, T, vocab) for ``input_ids``. With ``use_cache`` (and no padding in the mask) the
-        bytes go through Spider's incremental decoder (decode.py) and the cache comes back as
-        ``past_key_values``: the next call passes only the new bytes. Positions the mask zeroes
-        become PAD bytes, which Spider keeps out of its segments' statistics."""
-        padded = attention_mask is not None and not bool(attention_mask.all())
-        if (
-            (use_cache or past_key_values is not None)
-            and not padded
-            and labels is None
-            and unsupported(self.model) is None
-        ):
+        """Logits (B, T, vocab) for ``input_ids``. With ``use_cache`` the bytes go through Spider's
+        incremental decoder (decode.py) and the cache comes back as ``past_key_values``: the next call
+        passes only the new columns. There, positions the mask zeroes (a left-padded batch) are left
+        out of their row, as if absent (their logits are zeros). Without the cache they become PAD
+        bytes, which Spider keeps out of its segments' statistics."""
+        if (use_cache or past_key_values is not None) and labels is None and unsupported(self.model) is None:
             cache = past_key_values if past_key_values is not None else new_cache(self.model, input_ids.shape[0])
-            return CausalLMOutputWithPast(logits=decode(self.model, input_ids, cache), past_key_values=cache)
+            return CausalLMOutputWithPast(
+                logits=_decode_masked(self.model, input_ids, attention_mask, cache), past_key_values=cache
+            )
         if attention_mask is not None:
             input_ids = input_ids.masked_fill(attention_mask == 0, PAD_ID)
         logits = self.model(input_ids).logits
@@ -123,7 +120,24 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(
         self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None, use_cache=None, **kwargs
     ) -> dict:
-        if isinstance(past_key_values, SpiderCache):  # feed what the cache has not seen
-            seen = past_key_values.length[0]
-            return {"input_ids": input_ids[:, seen:], "past_key_values": past_key_values, "use_cache": True}
+        if isinstance(past_key_values, SpiderCache):  # feed the columns the cache has not seen
+            seen = past_key_values.columns
+            mask = None if attention_mask is None else attention_mask[:, seen:]
+            return {"input_ids": input_ids[:, seen:], "attention_mask": mask, "past_key_values": past_key_values}
         return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": use_cache}
+
+
+def _decode_masked(model: Spider, ids: torch.Tensor, mask: torch.Tensor | None, cache: SpiderCache) -> torch.Tensor:
+    """``decode`` of the columns ``ids (B, t)`` whose ``mask`` is set, each row's in order; their logits
+    at the same places of a (B, t, vocab) tensor (zeros where the mask is 0)."""
+    cache.columns += ids.shape[1]
+    if mask is None or bool(mask.all()):
+        return decode(model, ids, cache)
+    keep = mask.bool()
+    lengths = keep.sum(dim=1).tolist()
+    order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)  # each row's kept columns first
+    logits = decode(model, ids.gather(1, order), cache, lengths=lengths)
+    out = torch.zeros_like(logits)
+    for i, n in enumerate(lengths):
+        out[i, order[i, :n]] = logits[i, :n]
+    return out

@@ -79,6 +79,30 @@ def test_auto_classes_load_the_export_and_match_spider_titan(export, monkeypatch
     assert cached.tolist() == plain.tolist()
 
 
+def test_a_left_padded_batch_is_decoded_with_the_cache_as_its_rows_alone(export, monkeypatch):
+    """Prompts of different lengths, left-padded by the tokenizer: greedy generate() writes for each
+    row what the row alone writes, and never runs the full forward (the cache, PAD masked out)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = _auto(export)
+    prompts = ["<s>Once upon", "<s>def f(x):\n    return", "<s>A"]
+    alone = [
+        model.generate(tokenizer(p, return_tensors="pt").input_ids, max_new_tokens=10, do_sample=False) for p in prompts
+    ]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert not bool(batch.attention_mask.all())  # the batch really is padded
+
+    def no_full_forward(*args, **kwargs):
+        raise AssertionError("the full forward ran: the padded batch was not decoded with the cache")
+
+    monkeypatch.setattr(model.model, "forward", no_full_forward)
+    out = model.generate(**batch, max_new_tokens=10, do_sample=False)
+    width = batch.input_ids.shape[1]
+    for i, row in enumerate(alone):
+        n = row.shape[1] - 10  # the row's prompt length
+        assert out[i, width - n :].tolist()[: row.shape[1]] == row[0].tolist()
+
+
 def test_the_export_holds_the_packages_own_sources(export):
     """No second copy that could drift: each bundled file is a package module with only its
     spider_titan imports made relative, and the folder holds exactly the model's import closure."""

@@ -58,6 +58,7 @@ class SpiderCache:
     rows: list[RowCache]
     n_loops: int
     freqs: torch.Tensor  # RoPE table up to max_seq_len
+    columns: int = 0  # id columns a caller fed, padding included (the transformers wrapper's count)
 
     @property
     def length(self) -> list[int]:
