@@ -4,6 +4,7 @@
     python scripts/generate.py --model outputs/debug_dense/export --prompt "The " --temperature 0 # greedy
     printf 'any \xff bytes' | python scripts/generate.py --model exports/dense --prompt_file -
     python scripts/generate.py --model outputs/my_run --prompt "def "   # newest checkpoint of a run
+    python scripts/generate.py --model exports/spider --interactive     # type, the model continues
 
 The model named in the export's config.json is rebuilt through the registry and fed
 ``[BOS] + prompt bytes``; each next byte is greedy (``--temperature 0``) or drawn at
@@ -11,12 +12,15 @@ The model named in the export's config.json is rebuilt through the registry and 
 ``--max_new_bytes``. The model reads bytes, so the prompt is taken as the raw bytes of the
 argument (any byte string, UTF-8 or not) or of ``--prompt_file``. ``--n_loops`` above the trained
 count runs only the loops up to the last one the end-of-run calibration gave a non-zero gain (the
-output is the same; one line on stderr says so). The work is done by :mod:`spider_titan.generation`.
+output is the same; one line on stderr says so). ``--interactive``: a session that streams each
+byte as it is sampled and keeps the decoder's caches between turns (``generation.Conversation``).
+The work is done by :mod:`spider_titan.generation`.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import sys
 import time
@@ -24,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-from spider_titan.generation import check_sampling, effective_loops, generate, load_model, resolve_device, uses_cache
+from spider_titan.generation import (
+    Conversation,
+    check_sampling,
+    effective_loops,
+    generate,
+    load_model,
+    resolve_device,
+    uses_cache,
+)
 from spider_titan.protocol import DTYPES
 
 
@@ -51,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="Spider: core loops at generation (test-time depth; default: as trained)",
+    )
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="a session: each line you type is appended (without its newline) and the model's "
+        "continuation streams; an empty line continues, /reset starts a new document, Ctrl-D ends",
     )
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context for every byte (the reference)")
     p.add_argument(
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         run_loops = effective_loops(model, args.n_loops)
         if run_loops != args.n_loops:
             print(f"generate: --n_loops {args.n_loops}: {skipped_loops(run_loops, args.n_loops)}", file=sys.stderr)
+        if args.interactive:
+            return interactive(model, args, prompt)
         t0 = time.perf_counter()
         out = generate(
             model,
@@ -128,6 +148,71 @@ def main(argv: list[str] | None = None) -> None:
         )
     # bytes -> text for the terminal; invalid UTF-8 (in the prompt or drawn) shows as U+FFFD
     print((prompt + out).decode("utf-8", errors="replace"))
+
+
+class TerminalText:
+    """Bytes -> text on a stream as they arrive: UTF-8 decoded incrementally (a character shows once
+    complete, invalid bytes as U+FFFD) and unprintable characters other than newline and tab escaped
+    as Python writes them (``\\x1b``), so sampled bytes cannot drive the terminal."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        text = self.decoder.decode(data, final)
+        shown = "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+        self.stream.write(shown)
+        self.stream.flush()
+
+
+def interactive(model, args: argparse.Namespace, prompt: bytes) -> None:
+    """The ``--interactive`` session on stdin/stdout (the prompt, when given, is the first turn);
+    after each turn a line on stderr: bytes, bytes/s, cached or not, loops, room left. Ctrl-C ends
+    it where it is, without a traceback."""
+    try:
+        _session(model, args, prompt)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+
+
+def _session(model, args: argparse.Namespace, prompt: bytes) -> None:
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    conv = Conversation(model, n_loops=args.n_loops, seed=args.seed, **sampling)
+    loops = "" if getattr(model.args, "n_loops", None) is None else f", n_loops {conv.n_loops or model.args.n_loops}"
+    how = "cached" if conv.decoder is not None else "recomputing the context"
+    print(
+        "generate: type text and press Enter; an empty line continues, /reset starts anew, Ctrl-D ends", file=sys.stderr
+    )
+    pending = prompt or None
+    while True:
+        if pending is None:
+            print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.buffer.readline()
+            if not line:
+                break
+            pending = line.rstrip(b"\r\n")
+            if pending == b"/reset":
+                conv.reset()
+                print("generate: a new document", file=sys.stderr)
+                pending = None
+                continue
+        text, pending = pending, None
+        out, count, t0 = TerminalText(sys.stdout), 0, time.perf_counter()
+        try:
+            for byte in conv.turn(text, args.max_new_bytes):
+                out.write(bytes([byte]))
+                count += 1
+        except ValueError as e:
+            print(f"generate: {e}; /reset starts a new document", file=sys.stderr)
+            continue
+        out.write(b"", final=True)
+        seconds = time.perf_counter() - t0
+        print(
+            f"\ngenerate: {count} bytes, {count / max(seconds, 1e-9):.0f} bytes/s ({how}{loops}), "
+            f"{conv.room} bytes of room left",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

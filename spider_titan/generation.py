@@ -21,6 +21,7 @@ its spec says the output needs (:func:`effective_loops`): the output is the same
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,62 @@ def generate_batch(
         if all(done):
             break
     return [bytes(o) for o in outs]
+
+
+class Conversation:
+    """One document written turn by turn (``scripts/generate.py --interactive``): each :meth:`turn`
+    appends the caller's bytes and streams what the model samples after them. With a decoder the
+    caches are kept between turns, so a turn costs its own bytes; otherwise the context is
+    recomputed for every byte (its last ``max_seq_len`` ids). EOS ends a turn and is not kept."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        n_loops: int | None = None,
+    ):
+        check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=0, top_p=top_p)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.model, self.n_loops = model, effective_loops(model, n_loops)
+        self.max_len = model.args.max_seq_len
+        self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+        self.decoder = _decoder(model, 1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new document: ``[BOS]`` and empty caches."""
+        self.ids, self.fed = [BOS_ID], 0
+        self.cache = None if self.decoder is None else self.decoder.new_cache(self.model, 1, n_loops=self.n_loops)
+
+    @property
+    def room(self) -> int:
+        """Bytes the document can still take before ``max_seq_len``."""
+        return self.max_len - len(self.ids)
+
+    @torch.no_grad()
+    def turn(self, text: bytes, max_new_bytes: int) -> Iterator[int]:
+        """Append ``text``; yield each byte sampled after it (at most ``max_new_bytes``, fewer when
+        EOS is drawn or the document is full). ValueError when ``text`` itself does not fit."""
+        if len(text) >= self.room:
+            raise ValueError(f"{len(text)} bytes do not fit the {self.room} left of max_seq_len {self.max_len}")
+        self.ids += text
+        for _ in range(min(max_new_bytes, self.room)):
+            nxt = sample_next(self._next_logits(), generator=self.generator, **self.sampling)
+            if nxt == EOS_ID:
+                return
+            self.ids.append(nxt)
+            yield nxt
+
+    def _next_logits(self) -> torch.Tensor:
+        """The next byte's logits after every id so far; the decoder is fed only what it has not seen."""
+        device = next(self.model.parameters()).device
+        if self.decoder is None:
+            extra = {} if self.n_loops is None else {"n_loops": self.n_loops}
+            return self.model(torch.tensor([self.ids[-self.max_len :]], device=device), **extra).logits[0, -1]
+        new = torch.tensor([self.ids[self.fed :]], device=device)
+        self.fed = len(self.ids)
+        return self.decoder.decode(self.model, new, self.cache)[0, -1]

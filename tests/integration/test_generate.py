@@ -12,7 +12,7 @@ from spider_titan import registry
 from spider_titan.checkpoint.export import full_model_state_dict, write_export
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components.builder import materialize
-from spider_titan.generation import generate, load_model
+from spider_titan.generation import Conversation, generate, load_model
 from tests.utils import REPO
 
 
@@ -134,3 +134,43 @@ def test_loops_with_calibrated_gain_0_are_skipped_with_one_line(tmp_path, monkey
     monkeypatch.setattr(generation, "effective_loops", lambda m, n: n)
     every_loop = generate(loaded, b"def ", max_new_bytes=24, temperature=0, n_loops=4)
     assert proc.stdout == "def " + every_loop.decode("utf-8", errors="replace") + "\n"
+
+
+def test_interactive_session_streams_turns_and_shows_bytes_safely(tmp_path, monkeypatch, capsys):
+    """scripts/generate.py --interactive: each line is a turn, an empty line continues, /reset
+    starts anew (the same greedy bytes again), and after each turn stderr shows bytes/s and loops;
+    invalid UTF-8 and control bytes reach the terminal as U+FFFD and escapes."""
+    import importlib.util
+    import io
+    import types
+
+    spec = registry.get("model", "spider")
+    args = spec.build_args("debug", {})
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    write_export(full_model_state_dict(model), ModelIdentity.of("spider", "debug", args), tmp_path, dtype=torch.float32)
+    loader = importlib.util.spec_from_file_location("generate_cli", REPO / "scripts" / "generate.py")
+    cli = importlib.util.module_from_spec(loader)
+    loader.spec = None
+    loader.loader.exec_module(cli)
+
+    stdin = types.SimpleNamespace(buffer=io.BytesIO(b"Once upon\n\n/reset\nOnce upon\n"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    cli.main(
+        ["--model", str(tmp_path), "--interactive", "--temperature", "0", "--max_new_bytes", "12", "--device", "cpu"]
+    )
+    out, err = capsys.readouterr()
+    turns = [line for line in err.splitlines() if "bytes/s (cached, n_loops" in line]
+    assert len(turns) == 3 and "a new document" in err, err
+    reply = Conversation(load_model(tmp_path)[0], temperature=0)
+    first, second = bytes(reply.turn(b"Once upon", 12)), bytes(reply.turn(b"", 12))
+    shown = io.StringIO()
+    cli.TerminalText(shown).write(first + second + first, final=True)
+    assert out == shown.getvalue()
+
+    shown = io.StringIO()
+    text = cli.TerminalText(shown)
+    for piece in (b"caf\xc3", b"\xa9 \xff\x1b[2J\n"):
+        text.write(piece)
+    assert shown.getvalue() == "caf\u00e9 \ufffd\\x1b[2J\n"

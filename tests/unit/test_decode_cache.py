@@ -111,3 +111,22 @@ def test_generation_with_the_cache_samples_what_recomputing_samples():
         assert len(cached) > 0
     batch = generate_batch(model, [b"ab", b"a much longer prompt", b""], max_new_bytes=12, temperature=0)
     assert batch[1] == generate(model, b"a much longer prompt", max_new_bytes=12, temperature=0, use_cache=False)
+
+
+def test_a_conversation_keeps_its_caches_between_turns():
+    """generation.Conversation (scripts/generate.py --interactive): each turn writes what sampling
+    from the whole document so far writes, though the decoder is fed only each turn's new bytes."""
+    from spider_titan.generation import Conversation, generate
+
+    model = _model()
+    conv = Conversation(model, temperature=0.8, top_k=50, seed=3)
+    first = bytes(conv.turn(b"Spider reads", 24))
+    assert first == generate(model, b"Spider reads", max_new_bytes=24, temperature=0.8, top_k=50, seed=3)
+    conv = Conversation(model, temperature=0)
+    first, second = bytes(conv.turn(b"Spider reads", 24)), bytes(conv.turn(b" and", 24))
+    assert len(first) > 0 and len(second) > 0
+    whole = b"Spider reads" + first + b" and"
+    assert second == generate(model, whole, max_new_bytes=24, temperature=0, use_cache=False)
+    assert conv.cache.length == [len(conv.ids) - 1]  # every byte fed once (the newest is fed next turn)
+    conv.reset()
+    assert bytes(conv.turn(b"Spider reads", 24)) == first
