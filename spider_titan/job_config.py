@@ -180,6 +180,10 @@ class Optimizer:
     weight_decay: float = ranged(0.1, low=0)
     """Decoupled weight decay, applied to matrices only (not to norms, biases, embeddings' rows of
     specials, LoRA-free scalars)."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """AdamW's kernels: ``fused`` (one multi-tensor kernel per step), ``foreach`` or ``for-loop``;
+    ``auto``: fused where every parameter is on CUDA, else foreach (what CPU FSDP runs, which have no
+    fused kernel, use too, so a CPU run and its FSDP twin take the same steps)."""
     muon_lr: float = ranged(0.02, low=0, low_open=True)
     """Muon learning rate for hidden matrices (only with ``name = "Muon"``)."""
     lr_multipliers: list[str] = field(default_factory=list)

@@ -18,6 +18,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from spider_titan.job_config import Optimizer as OptimizerConfig
 
@@ -109,16 +110,33 @@ def _groups(named_params, weight_decay: float, lr: float, rules: dict[str, float
     ]
 
 
-def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    # foreach is the fast path for DTensor (FSDP2) parameters on both CPU and GPU; fused has no
-    # CPU DTensor kernel.
+def adamw_kernels(params: list[torch.Tensor], implementation: str) -> dict[str, bool]:
+    """AdamW's ``fused`` / ``foreach`` keywords for ``optimizer.implementation`` (``auto``: fused when
+    every parameter is on CUDA, where it is one kernel launch per group instead of one per op and
+    tensor chunk; foreach otherwise: there is no fused kernel for CPU DTensors)."""
+    if implementation == "auto":
+        implementation = "fused" if params and all(p.device.type == "cuda" for p in params) else "foreach"
+    if implementation == "fused" and any(isinstance(p, DTensor) and p.device.type == "cpu" for p in params):
+        raise ValueError(
+            'optimizer.implementation = "fused": torch has no fused AdamW for sharded (FSDP) CPU parameters; '
+            'use "foreach" or "auto"'
+        )
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
+def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    params = [p for g in groups for p in g["params"]]
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, cfg.lr, cfg.lr_multipliers),
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=True,
+        **adamw_kernels(params, cfg.implementation),
     )
+
+
+def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return _adamw(param_groups(model, cfg.weight_decay, cfg.lr, cfg.lr_multipliers), cfg)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -142,13 +160,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             muon_factors.setdefault(lr_factor(name, rules), []).append(p)
         muon_groups = [{"params": ps, "lr": cfg.muon_lr * f} for f, ps in sorted(muon_factors.items())]
         self.muon = torch.optim.Muon(muon_groups, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
-        self.adamw = torch.optim.AdamW(
-            _groups(adam_named, cfg.weight_decay, cfg.lr, rules),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            foreach=True,
-        )
+        self.adamw = _adamw(_groups(adam_named, cfg.weight_decay, cfg.lr, rules), cfg)
         # Not Optimizer.__init__: the groups and state belong to the two inner optimizers; this
         # object only exposes them (the LR scheduler scales every group's lr).
         self.defaults = {}
