@@ -227,10 +227,7 @@ def profile_step(trainer, step: int) -> dict:
         metrics = trainer.train_step(batches, step)
         float(metrics["ce_sum"])
     events = prof.profiler.kineto_results.events()
-    host = sorted(
-        (e for e in events if e.device_type() == torch.autograd.DeviceType.CPU),
-        key=lambda e: (e.start_ns(), -e.duration_ns()),
-    )
+    host = host_events(prof)
     ranges = [(e.start_ns(), e.end_ns(), _range_name(e.name())) for e in host if _range_name(e.name())]
     top, per_range = Counter(), Counter()
     counts: dict = {}
@@ -265,21 +262,46 @@ def profile_step(trainer, step: int) -> dict:
     }
 
 
+def host_events(prof) -> list:
+    """The host (CPU) events of a finished profile, by start time (an enclosing event first)."""
+    events = prof.profiler.kineto_results.events()
+    return sorted(
+        (e for e in events if e.device_type() == torch.autograd.DeviceType.CPU),
+        key=lambda e: (e.start_ns(), -e.duration_ns()),
+    )
+
+
 REGION_PREFIXES = ("Torch-Compiled Region", "CompiledFunctionBackward")
+# aten ops that launch no kernel on a GPU: views of the same memory and bare allocations
+NO_KERNEL = frozenset(
+    f"aten::{op}"
+    for op in (
+        "view _unsafe_view _reshape_alias view_as detach alias lift_fresh t transpose permute unsqueeze squeeze "
+        "expand expand_as slice select narrow as_strided split split_with_sizes chunk unbind unflatten "
+        "empty empty_strided empty_like new_empty new_empty_strided"
+    ).split()
+)
+# ops that copy only sometimes (a dtype, device or layout change): a kernel when one runs inside them
+MAYBE_COPY = frozenset(f"aten::{op}" for op in "to reshape contiguous flatten type_as".split())
 
 
 def count_launches(host: list) -> tuple[dict, list]:
     """What a GPU would launch for this host trace (one thread, events sorted by start): aten ops
     outside compiled code (each a kernel or a host op), compiled regions entered (forward and
     backward), and inside them the extern ops (GEMMs, fallbacks) and the generated kernels (recorded
-    as ``cpp_fused_*`` under ``torch._inductor.config.cpp.enable_kernel_profile``). Returns the
-    counts (``launched`` = outside + inside) and the events counted."""
+    as ``cpp_fused_*`` under ``torch._inductor.config.cpp.enable_kernel_profile``). An op that only
+    makes a view or allocates (``NO_KERNEL``) is not a launch; one that copies only sometimes
+    (``MAYBE_COPY``) is when an op inside it is. Returns the counts (``launched`` = outside + inside)
+    and the events counted."""
     counted, stack = [], []  # stack: (end, kind) of the open events that matter
     outside = inside = regions = 0
+    pending = None  # a MAYBE_COPY op at the top level: (its end, in a region?), counted once a copy runs inside it
     for e in host:
         while stack and stack[-1][0] <= e.start_ns():
             stack.pop()
         name = e.name()
+        if pending is not None and e.start_ns() >= pending[0].end_ns():
+            pending = None
         in_region = any(kind == "region" for _, kind in stack)
         in_op = any(kind == "op" for _, kind in stack)
         if name.startswith(REGION_PREFIXES):
@@ -287,12 +309,17 @@ def count_launches(host: list) -> tuple[dict, list]:
                 regions += 1
             stack.append((e.end_ns(), "region"))
         elif name.startswith("aten::") or (in_region and "cpp_fused" in name):
+            launches = name not in NO_KERNEL and name not in MAYBE_COPY
+            if in_op and pending is not None and launches:  # a copy inside a MAYBE_COPY op: count that op
+                counted.append(pending[0])
+                inside, outside = inside + pending[1], outside + (not pending[1])
+                pending = None
             if not in_op:
-                counted.append(e)
-                if in_region:
-                    inside += 1
-                else:
-                    outside += 1
+                if name in MAYBE_COPY:
+                    pending = (e, in_region)
+                elif launches:
+                    counted.append(e)
+                    inside, outside = inside + in_region, outside + (not in_region)
             stack.append((e.end_ns(), "op"))
     return {"launched": outside + inside, "outside": outside, "inside": inside, "regions": regions}, counted
 

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from tests.utils import REPO
 
 
@@ -80,3 +82,17 @@ def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
     assert [e["triton_compiles"] for e in events] == [0, 0, 1, 0]
     slow = bench_gpu.slow_steps([0.1, 0.1, 0.5, 0.1], events, first_step=4)
     assert slow == [{"step": 6, "over_median": 5.0, "recompiles": 1, "triton_compiles": 1}]
+
+
+def test_the_launch_count_skips_views_and_counts_copies(monkeypatch):
+    """bench_gpu.count_launches on an eager trace: views, allocations and a no-op ``to`` launch
+    nothing; a ``to`` that casts and a ``reshape`` that must copy launch one kernel each."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from bench_gpu import count_launches, host_events
+
+    x = torch.randn(8, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = x.view(64).view(8, 8).t().unsqueeze(0).detach()  # views: 0
+        z = x.to(torch.float32).reshape(64)  # a no-op to and a view-able reshape: 0
+        w = x.to(torch.float64), y.reshape(64), x @ x, z + 1, torch.empty(3)  # cast, copy, mm, add: 4
+    assert count_launches(host_events(prof))[0] == {"launched": 4, "outside": 4, "inside": 0, "regions": 0}, w
