@@ -103,11 +103,16 @@ BOUNDARY_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first"])
+# Per-segment depth (recurrence.DepthRouter) under both conventions: 3 loops, the last two routed.
+DEPTH = {"n_loops": 3, "depth_capacity": [0.5, 0.5, 0.5]}
+DEPTH_CONFIGS = {"depth_first": {"chunk_convention": "first", **DEPTH}, "depth_mean": {**MEAN_PATH, **DEPTH}}
+
+
+@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first", *DEPTH_CONFIGS])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_causality(monkeypatch, predictor, train):
     # the forced predictors with either convention: ragged segments under both read only the past
-    config = (
+    config = DEPTH_CONFIGS.get(predictor) or (
         {"chunk_convention": "first"} if predictor == "content_first" else BOUNDARY_CONFIGS.get(predictor, MEAN_PATH)
     )
     model = build(seed=1, **config)
@@ -145,6 +150,20 @@ def test_causality_check_catches_a_missing_shift(monkeypatch, segments):
     model = build_for_leak(monkeypatch, segments, "mean")
     monkeypatch.setattr(seg_mod, "upsample", leaky_upsample)
     gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
+    assert max(before for _, before, _ in gaps) > 1e-3
+
+
+@pytest.mark.parametrize("convention", ["first", "mean"])
+def test_causality_check_catches_a_depth_router_that_reads_the_whole_row(monkeypatch, convention):
+    """Per-segment depth: a router whose scores are standardised over the whole row (as an
+    expert-choice top-k over the sequence would rank them) lets later segments decide which earlier
+    ones run a loop; the check flags it, and passes the causal router (test_causality)."""
+    from spider_titan.models.spider import recurrence
+
+    model = build(seed=1, **DEPTH_CONFIGS[f"depth_{convention}"])
+    whole_row = lambda x: (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True).clamp(min=1e-3)  # noqa: E731
+    monkeypatch.setattr(recurrence, "causal_standardize", whole_row)
+    gaps = causality_gaps(model, sample_ids(0, T=160), train=False, seed=0, positions=range(20, 160, 10))
     assert max(before for _, before, _ in gaps) > 1e-3
 
 

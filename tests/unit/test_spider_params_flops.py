@@ -113,6 +113,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (2, 256, {"chunk_convention": "mean"}, None),
         (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
         (2, 256, {"boundary_dim": 0}, None),
+        (2, 256, {"n_loops": 4, "depth_capacity": [0.5, 0.5, 0.25]}, None),
     ],
     ids=[
         "default",
@@ -123,6 +124,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "mean_convention",
         "truncated",
         "full_width_predictor",
+        "per_segment_depth",
     ],
 )
 def test_flops_per_byte_matches_flop_counter(B, T, overrides, threshold):

@@ -78,6 +78,10 @@ class SpiderArgs:
     """A learned vector added to the state at the start of each loop (false: none)."""
     loop_step_size: bool = False
     """A learned step size per loop: loop i hands on ``h + g_i (F_i(h) - h)``, ``g_i`` starting at 1."""
+    depth_capacity: list[float] = field(default_factory=list)
+    """Per-segment depth (recurrence.py ``DepthRouter``): entry i caps the share of segments that loop
+    i + 2 runs on, chosen causally by a learned router; one entry per loop after the first (max_loops - 1).
+    Empty: every segment runs every loop."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = ranged(4.0, low=1, low_open=True)
@@ -157,6 +161,16 @@ class SpiderArgs:
                 f"boundary_dim: {self.boundary_dim} must be at most dim ({self.dim}); a projection wider than its "
                 "input adds FLOPs and nothing else"
             )
+        if self.depth_capacity:
+            if len(self.depth_capacity) != self.max_loops - 1:
+                out.append(
+                    f"depth_capacity: {len(self.depth_capacity)} entries; give one per loop after the first "
+                    f"(max_loops - 1 = {self.max_loops - 1})"
+                )
+            if not all(0 < c <= 1 for c in self.depth_capacity):
+                out.append(f"depth_capacity: {self.depth_capacity}: every share must be in (0, 1]")
+            if self.backprop_loops:
+                out.append("depth_capacity: per-segment depth needs backprop_loops = 0 (every loop keeps a graph)")
         if self.loop_sampling == "tail":
             deep, p_deep, p_one = self.tail_shares()
             if self.n_loops < 2 or deep <= self.n_loops:
@@ -194,6 +208,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_band_upper": 1.0,
     "boundary_dim": 0,
     "segment_capacity": 0.0,
+    "depth_capacity": [],
 }
 
 # Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code

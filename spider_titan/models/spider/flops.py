@@ -20,6 +20,8 @@ segments), the core running on the real segments only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from spider_titan.vocab import VOCAB_SIZE
 
 
@@ -30,12 +32,15 @@ def spider_flops_breakdown(
     bytes_per_segment: float | None = None,
     backprop_loops: float | None = None,
     row_segments: float | None = None,
+    loop_slots: Sequence[float] = (),
 ) -> dict[str, float]:
     """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``.
     ``backprop_loops``: the loops that also run backward (default: the args' ``backprop_loops``,
     0 meaning every loop); the others cost their forward only (truncated backprop).
     ``row_segments``: segment slots per row of the (B, S) layout (default ``seq_len /
-    bytes_per_segment``, no padding); ``bytes_per_segment`` then sets the per-segment work only."""
+    bytes_per_segment``, no padding); ``bytes_per_segment`` then sets the per-segment work only.
+    ``loop_slots``: under ``depth_capacity`` the slots per row of the last ``len(loop_slots)`` loops,
+    each of which runs on that many slots (padding included) instead of every segment."""
     a = args
     loops = a.n_loops if n_loops is None else n_loops
     k = a.backprop_loops if backprop_loops is None else backprop_loops
@@ -65,17 +70,24 @@ def spider_flops_breakdown(
         return (mm(qk, context) * H + mm(context, a.v_head_dim) * H) / 2
 
     n_bytes_blocks = a.n_prelude + a.n_coda
-    per_loop = {  # one loop of the core, per byte: per segment (/ bps) or per (B, S) slot (* per_slot)
-        "core_attention_proj": a.n_core * attn_proj / bps,
-        "core_attention_scores": a.n_core * attn_scores(S) * per_slot,
-        "core_lora": a.n_core
-        * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk) + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d))
-        * a.loop_lora
-        / bps,
-        "moe_router": a.n_core * mm(d, a.n_experts) / bps,
-        "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
-        "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
-    }
+
+    def loop_cost(bps: float, slots: float) -> dict[str, float]:
+        """One loop of the core, per byte: per segment (/ bps) or per (B, S) slot (* slots / T)."""
+        return {
+            "core_attention_proj": a.n_core * attn_proj / bps,
+            "core_attention_scores": a.n_core * attn_scores(slots) * slots / T,
+            "core_lora": a.n_core
+            * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk) + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d))
+            * a.loop_lora
+            / bps,
+            "moe_router": a.n_core * mm(d, a.n_experts) / bps,
+            "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
+            "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
+        }
+
+    per_loop = loop_cost(bps, S)
+    routed = [loop_cost(T / k, k) for k in loop_slots]  # each routed loop computes all its slots
+    depth_router = mm(d, 1) * S / T * len(loop_slots)  # a score per (B, S) slot before each routed loop
     learned = a.learned_segments
     fwd = {
         "byte_blocks": n_bytes_blocks * (attn_proj_at(d) + 3 * mm(d, a.inter_dim)),
@@ -86,12 +98,16 @@ def spider_flops_breakdown(
         "residual_proj": mm(d, d),
         # the EMA over segments as one (S x S) @ (S x dim) product per row (learned segments only)
         "dechunk_smoothing": mm(S, d) * per_slot * learned,
-        **{k: v * loops for k, v in per_loop.items()},
         "lm_head": mm(d, VOCAB_SIZE),
+        **({"depth_router": depth_router} if loop_slots else {}),
     }
     out = {k: 3.0 * v for k, v in fwd.items()}
-    # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.
-    out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
+    # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph (every
+    # loop under depth_capacity, which needs backprop_loops = 0).
+    if routed:
+        out.update({k: 3.0 * (v * (loops - len(routed)) + sum(r[k] for r in routed)) for k, v in per_loop.items()})
+    else:
+        out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
     return out
 
 
@@ -102,6 +118,11 @@ def spider_flops_per_byte(
     bytes_per_segment: float | None = None,
     backprop_loops: float | None = None,
     row_segments: float | None = None,
+    loop_slots: Sequence[float] = (),
 ) -> float:
     """Training (fwd + bwd) FLOPs per input byte; also Spider's ``ModelSpec.flops_per_token``."""
-    return sum(spider_flops_breakdown(args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments).values())
+    return sum(
+        spider_flops_breakdown(
+            args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments, loop_slots
+        ).values()
+    )

@@ -172,7 +172,10 @@ class Spider(nn.Module):
             "moe_aux_loss": core.moe_aux_loss.detach(),
             "boundary_loss": b_loss.detach(),
             "bytes_per_segment": real_bytes / real_segments.float().clamp(min=1.0),
-            "mean_loops": torch.full((), float(core.loops_run), device=device),
+            # loops per real segment: under depth_capacity the first, plus each later loop's share
+            "mean_loops": sum(
+                core.loop_shares, torch.full((), float(core.loops_run - len(core.loop_shares)), device=device)
+            ),
             "loops_run": torch.full((), float(core.loops_run), device=device),
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
@@ -188,10 +191,13 @@ class Spider(nn.Module):
                     bytes_per_segment=T / S if capacity else B * T / seg.total_segments,
                     backprop_loops=core.backprop_loops,
                     row_segments=S if capacity else seg.max_row_segments,
+                    loop_slots=core.loop_slots,
                 ),
                 device=device,
             ),
         }
+        # depth_capacity: the share of real segments each loop after the first ran on
+        aux.update({f"depth_share_{i + 2}": share.detach() for i, share in enumerate(core.loop_shares)})
         if capacity:  # the share of the batch's segments past the capacity
             aux["segments_dropped"] = dropped / seg.row_segments.sum()
         if self.core.loop_step is not None:  # loop_step_size: how far each loop moves the state

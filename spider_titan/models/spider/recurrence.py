@@ -16,7 +16,9 @@ Loop i of ``n_loops`` on the chunk vectors ``s (B, S, dim)``, starting from ``h_
    At eval a loop past ``n_loops`` hands on ``h_in + gain_i (h - h_in)`` with the buffer
    ``extra_loop_gain`` (ones until the end-of-run calibration fits it, calibration.py): gain 0 hands on
    ``h_in`` bit for bit, so evaluating deeper than trained is never worse than the trained depth.
-5. The core output is ``norm(h)`` after the last loop; every segment runs every loop.
+5. The core output is ``norm(h)`` after the last loop. Every segment runs every loop, unless
+   ``depth_capacity`` is set: then before each loop after the first a router picks the segments that
+   run it (:class:`DepthRouter`), the others keep their state, and the loop computes only its slots.
 
 Training: ``loop_sampling`` draws the step's loop count on the host (:func:`sample_loops`, the same on
 every rank); ``backprop_loops = k`` runs the loops before the last k under no_grad (the MoE balancing
@@ -26,16 +28,19 @@ loss is then the mean over the k loops with a graph); ``loop_init_std`` starts f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spider_titan.models.common import GrowingTensor
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.attention import MLA, KVCache, PackedRows
 from spider_titan.models.spider.engram import Engram
+from spider_titan.models.spider.segmentation import causal_standardize
 from spider_titan.moe.layer import MoE
 
 # Keys the loop-count generator (with the step), as in seal-rg/recurrent-pretraining: a fixed
@@ -210,6 +215,73 @@ class CoreBlock(nn.Module):
 
 
 @dataclass
+class DepthCache:
+    """A decoded row's router state at one loop (decode.py): every segment's raw score so far and
+    the admission state after them (``DepthRouter.choose``)."""
+
+    scores: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))
+    admission: tuple[int, int] = (0, 0)
+
+
+class DepthRouter(nn.Module):
+    """Per-segment depth with a capacity per loop (``depth_capacity``; Mixture-of-Recursions' idea,
+    Bae et al. 2025, made causal).
+
+    Before loop i >= 2 every segment gets a score ``w . rmsnorm(h)`` of the state it holds; scores are
+    standardised causally along the row (``causal_standardize``: by segments <= it only) and a segment
+    wants the loop when its standardised score exceeds ``Phi^-1(1 - c_i)``, so about a share ``c_i``
+    want it whatever the router's scale (it cannot collapse to all or none). It runs the loop if it ran
+    the loop before and is within the cap: of the row's first j + 1 segments at most
+    ``floor(c_i (j + 1)) + BURST`` run it (admitted greedily in order). Both rules read segments <= j only, so no output depends on
+    a later byte, and a row holds at most ``floor(c_i S) + BURST`` runners: the loop runs on that many
+    slots per row (the runners first, in order), a static shape. A runner's update is scaled by
+    ``1 + p - p.detach()`` (value 1), ``p = sigmoid(z - threshold)``: the LM loss trains the router.
+    """
+
+    BURST = 2
+
+    def __init__(self, args: SpiderArgs):
+        super().__init__()
+        self.proj = nn.Linear(args.dim, 1, bias=False)
+        self.shares = list(args.depth_capacity)
+        self.eps = args.norm_eps
+
+    def share(self, loop: int) -> float:
+        """``c`` of loop index ``loop`` (>= 1, 0-based)."""
+        return self.shares[loop - 1]
+
+    def slots(self, S: int, share: float) -> int:
+        """Segment slots per row a loop of ``share`` runs on."""
+        return min(S, math.floor(share * S) + self.BURST)
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """Raw scores (B, S) fp32 of the states ``h (B, S, dim)``."""
+        return self.proj(F.rms_norm(h, (h.shape[-1],), eps=self.eps)).squeeze(-1).float()
+
+    def choose(
+        self, z: torch.Tensor, allowed: torch.Tensor, share: float, first: int = 0, before: tuple[int, int] = (0, 0)
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(runners (B, n), p (B, n), state) for standardised scores ``z (B, n)`` of segments
+        ``first..``; ``allowed``: the segments that ran the loop before. Admission is greedy in order:
+        a wanting segment runs while fewer than ``floor(c (j + 1)) + BURST`` of the row's first j
+        segments run, computed at once as ``A_j = W_j + min(0, min_{k <= j} (cap_k - W_k))`` (runners
+        so far, W the wanting segments so far). ``before`` / ``state`` (per row): (W, the running min)
+        after the row's earlier segments, for decoding one row a few segments at a time."""
+        threshold = NormalDist().inv_cdf(1.0 - share) if share < 1 else -math.inf
+        wanted = (z > threshold) & allowed
+        index = torch.arange(first + 1, first + z.shape[1] + 1, device=z.device, dtype=torch.float64)
+        cap = (torch.floor(share * index) + self.BURST).long()
+        w = torch.cumsum(wanted.long(), dim=1) + before[0]
+        low = torch.cummin(cap - w, dim=1).values.clamp(max=before[1])
+        ran = w + low  # runners so far
+        runners = ran > F.pad(ran[:, :-1], (1, 0), value=before[0] + before[1])
+        return runners, torch.sigmoid(z - threshold), (w[:, -1], low[:, -1])
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.normal_(self.proj.weight, std=init_std)
+
+
+@dataclass
 class CoreOutput:
     """What the recurrent core hands back to the model.
 
@@ -218,6 +290,8 @@ class CoreOutput:
     moe_counts:   (E,) fp32 routed slots per expert, summed over blocks and loops (detached)
     loops_run:    loops computed (host int)
     backprop_loops: of those, the loops with a graph (host int; ``loops_run`` outside truncated training)
+    loop_shares:  per loop after the first under ``depth_capacity``: the share of real segments it ran on
+    loop_slots:   the same loops' slots per row (host ints)
     """
 
     output: torch.Tensor
@@ -225,6 +299,8 @@ class CoreOutput:
     moe_counts: torch.Tensor
     loops_run: int
     backprop_loops: int
+    loop_shares: list[torch.Tensor] = field(default_factory=list)
+    loop_slots: list[int] = field(default_factory=list)
 
 
 class RecurrentCore(nn.Module):
@@ -242,6 +318,7 @@ class RecurrentCore(nn.Module):
         # Eval-time gains of the loops past n_loops, set by the end-of-run calibration: a buffer, so it
         # is saved and exported with the weights, replicated (never sharded) and never trained.
         self.register_buffer("extra_loop_gain", torch.empty(args.max_loops))
+        self.depth = DepthRouter(args) if args.depth_capacity else None
 
     def forward(
         self,
@@ -255,13 +332,16 @@ class RecurrentCore(nn.Module):
         init_keys: torch.Tensor | None = None,
         caches: list[list[KVCache]] | None = None,
         packed: PackedRows | None = None,
+        depth_caches: list[DepthCache] | None = None,
     ) -> CoreOutput:
         """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
         under no_grad. ``init_keys`` (B,) int64: with ``loop_init_std`` > 0, the keys of the random
         initial state. ``packed``: the loops run on the real segments only, packed into one row;
-        ``caches`` (incremental decoding, decode.py): one key/value cache per (loop, block)."""
+        ``caches`` (incremental decoding, decode.py): one key/value cache per (loop, block), and with
+        ``depth_capacity`` ``depth_caches``, the router's state per loop."""
         B, S, _ = s.shape
         h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)  # keyed by (row, segment)
+        rows = (freqs, bucket_ids, seg_real)  # the routed loops run on (B, S) rows
         if packed is not None:  # (B, S, ...) -> (1, N, ...) once for every loop and block
             s, bucket_ids, seg_real = (packed.pack(t) for t in (s, bucket_ids, seg_real))
             freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2): index in its row
@@ -274,9 +354,37 @@ class RecurrentCore(nn.Module):
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
         h = s.new_zeros(injected.shape) if h0 is None else h0.to(s.dtype)  # the state loop 0 receives
+        ran, shares, slots = None, [], []  # under depth_capacity: the segments that ran the last loop
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
+                if self.depth is not None and i >= 1:
+                    if packed is not None:  # from here on the state lives in (B, S) rows
+                        h, injected, packed = packed.pad(h), packed.pad(injected), None
+                    freqs, bucket_ids, seg_real = rows
+                    ran = seg_real if ran is None else ran
+                    if caches is None:
+                        h, aux_sum, counts, ran, k = self.routed_loop(
+                            i, h, injected, decay, loop, freqs, bucket_ids, ran, aux_sum, counts, i >= first_grad_loop
+                        )
+                    else:
+                        h, aux_sum, counts, ran, k = self.routed_step(
+                            i,
+                            h,
+                            injected,
+                            decay,
+                            loop,
+                            freqs,
+                            bucket_ids,
+                            ran,
+                            aux_sum,
+                            counts,
+                            caches[i],
+                            depth_caches[i],
+                        )
+                    shares.append(ran.sum() / seg_real.sum().clamp(min=1))
+                    slots.append(k)
+                    continue
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count as a symbol (run_loop marks the state), so one graph serves every
                 # loop and every batch instead of a recompile per loop index and per new count.
@@ -307,7 +415,87 @@ class RecurrentCore(nn.Module):
             moe_counts=counts,
             loops_run=n_loops,
             backprop_loops=grad_loops,
+            loop_shares=shares,
+            loop_slots=slots,
         )
+
+    def routed_loop(
+        self,
+        i: int,
+        h: torch.Tensor,
+        injected: torch.Tensor,
+        decay: torch.Tensor,
+        loop: torch.Tensor,
+        freqs: torch.Tensor,
+        bucket_ids: torch.Tensor,
+        ran: torch.Tensor,
+        aux_sum: torch.Tensor,
+        counts: torch.Tensor,
+        count_aux: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Loop ``i`` >= 1 under ``depth_capacity`` on (B, S) rows (:class:`DepthRouter`):
+        the runners are gathered into ``slots`` per row, in order (attention stays causal, each at its
+        own RoPE position), run, and scattered back. Returns (h, aux_sum, counts, runners, slots)."""
+        depth = self.depth
+        share = depth.share(i)
+        z = causal_standardize(depth.scores(h))
+        runners, p, _ = depth.choose(z, ran, share)
+        k = depth.slots(h.shape[1], share)
+        idx = torch.sort((~runners).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (B, k) runners first
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+        valid = runners.gather(1, idx)
+        before = take(h)
+        out, aux_sum, counts = self.run_loop(
+            before, take(injected), decay, loop, freqs[idx], take(bucket_ids), valid, aux_sum, counts, count_aux
+        )
+        gate = (1.0 + p - p.detach()).gather(1, idx).unsqueeze(-1).to(out.dtype)
+        out = torch.where(valid.unsqueeze(-1), before + gate * (out - before), before)
+        return h.scatter(1, idx.unsqueeze(-1).expand_as(out), out), aux_sum, counts, runners, k
+
+    def routed_step(
+        self,
+        i: int,
+        h: torch.Tensor,
+        injected: torch.Tensor,
+        decay: torch.Tensor,
+        loop: torch.Tensor,
+        freqs: torch.Tensor,
+        bucket_ids: torch.Tensor,
+        ran: torch.Tensor,
+        aux_sum: torch.Tensor,
+        counts: torch.Tensor,
+        caches: list[KVCache],
+        state: DepthCache,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """:meth:`routed_loop` for incremental decoding (one row, new segments ``h (1, n, dim)``): the
+        router reads the row's earlier scores from ``state``, and only the runners' keys and values
+        enter this loop's caches, as only they are this loop's keys in the full forward."""
+        depth = self.depth
+        share = depth.share(i)
+        first = state.scores.length
+        z = causal_standardize(state.scores.append(depth.scores(h)))[:, first:]
+        runners, _, (wanted, low) = depth.choose(z, ran, share, first=first, before=state.admission)
+        state.admission = (int(wanted[0]), int(low[0]))
+        idx = runners[0].nonzero().squeeze(1)
+        if idx.numel():
+            out, aux_sum, counts = self.run_loop(
+                h[:, idx],
+                injected[:, idx],
+                decay,
+                loop,
+                freqs[idx],
+                bucket_ids[:, idx],
+                runners[:, idx],
+                aux_sum,
+                counts,
+                False,
+                caches,
+            )
+            h = h.index_copy(1, idx, out)
+        return h, aux_sum, counts, runners, int(idx.numel())
 
     def run_loop(
         self,
@@ -362,3 +550,5 @@ class RecurrentCore(nn.Module):
         if self.loop_step is not None:
             nn.init.zeros_(self.loop_step)
         nn.init.ones_(self.extra_loop_gain)
+        if self.depth is not None:
+            self.depth.init_weights(init_std)
