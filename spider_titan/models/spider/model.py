@@ -263,4 +263,5 @@ SPIDER_SPEC = ModelSpec(
     ),
     # the byte-level edges, segmentation, routers and Engram stay high precision
     float8_skip_fqns=("boundary_predictor", "loop_embedding", "engram", "norm", "embed_tokens", "lm_head", "router"),
+    quantize_keep_fqns=("lm_head", "boundary_predictor", "core.inject", "router"),
 )
