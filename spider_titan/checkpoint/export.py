@@ -22,6 +22,11 @@ on the folder, which the kernel drops when its holder dies), so the temporary si
 (``.<name>.tmp-*``, ``.<name>.old-*``) found under that lock were left by a writer that was killed
 (kill -9, power loss): the next export into ``out`` deletes them once ``out`` holds a complete export.
 
+``quantize`` (``scripts/export_safetensors.py --quantize int8|int4``) writes the model's linears
+weight-only quantized with torchao (:func:`quantized_state`, quantization/weight_only.py) and the rest in
+``dtype``; config.json's ``quantization`` names the method, and the readers quantize the same linears
+before loading. A DCP checkpoint or an unquantized export can be its source.
+
 Float8 training keeps each converted linear's high-precision weight as its parameter; with fp8
 all-gather torchao wraps it in a tensor subclass that safetensors cannot store. The export unwraps
 it, so the files hold bf16/fp32 weights under the ``nn.Linear`` names that a model built without

@@ -109,7 +109,9 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         dtype = saved if dtype in (None, "auto") else getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = kwargs.get("device_map") or "cpu"
-        if not isinstance(device, (str, torch.device)):
+        if isinstance(device, dict) and len(set(device.values())) == 1:  # {"": "cpu"}, as lm-eval passes it
+            device = next(iter(device.values()))
+        if not isinstance(device, (str, int, torch.device)):
             raise ValueError(f"{folder}: a quantized export loads onto one device; pass device_map='cpu' or 'cuda'")
         model = cls(config)
         load_quantized(model.model, read_tensors(folder), method, dtype=saved, where=folder)
