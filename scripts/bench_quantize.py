@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", type=int, default=3, help="timed loads per format, median (default 3)")
     p.add_argument("--context", type=int, default=256, help="prompt bytes before the timed decode (default 256)")
     p.add_argument("--new", type=int, default=128, help="greedy bytes timed per format (default 128)")
-    p.add_argument("--ablate", action="store_true", help="rows with the kept linears quantized too")
+    p.add_argument("--ablate", action="store_true", help="the table that chooses the linears kept in bf16")
     p.add_argument("--markdown", help="append the table to this markdown file")
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.markdown:
         with open(args.markdown, "a") as f:
-            f.write(f"\nMachine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n{table}\n")
+            command = " ".join(["python scripts/benchmark.py quantize", *(sys.argv[2:] if argv is None else argv)])
+            f.write(f"\n`{command}`\n\nMachine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n{table}\n")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Export a DCP checkpoint as safetensors + config.json (full tensors, plain FQNs).
+"""Export a DCP checkpoint as safetensors + config.json (full tensors, plain FQNs; int8 / int4 with --quantize).
 
     python scripts/export_safetensors.py --checkpoint outputs/debug_dense/checkpoint/step-200 --out exports/dense
     python scripts/export_safetensors.py --checkpoint outputs/debug_dense/checkpoint --out exports/dense --dtype bfloat16
