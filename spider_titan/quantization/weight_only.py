@@ -13,6 +13,10 @@ int4 value per int8, so :func:`flatten_quantized` packs two per byte (low nibble
 :func:`unflatten_quantized` unpacks them. Loading (:func:`load_quantized`) rebuilds the same subclasses on
 the same linears and loads every tensor strictly. torchao is imported only when a quantized export is
 written or read, so an unquantized export loads without it.
+
+Limits: smaller files, not faster ones: the weight is converted or dequantized at every call (cached
+decoding on CPU ran at 0.9x / 0.7x bf16's speed, docs/benchmarks.md); an int4 linear's input width must be
+a multiple of 32 (else it keeps the export's dtype, logged); the experts, 62 % of 1B's parameters, stay bf16.
 """
 
 from __future__ import annotations
