@@ -11,7 +11,9 @@ compares like with like on the same machine. ``--markdown FILE`` appends the com
 and the results to FILE.
 
 ``python scripts/benchmark.py gpu_1b [--help]`` is the GPU harness of Spider 1B against dense 1B
-(scripts/bench_gpu.py): its own flags, one markdown table and one JSON.
+(scripts/bench_gpu.py): its own flags, one markdown table and one JSON. ``python scripts/benchmark.py
+quantize --model EXPORT [--help]`` is the quality and size table of an export in fp32, bf16, int8 and
+int4 (scripts/bench_quantize.py), also with its own flags.
 """
 
 from __future__ import annotations
@@ -474,6 +476,10 @@ def main() -> int:
         from bench_gpu import main as gpu_1b
 
         return gpu_1b(sys.argv[2:])
+    if sys.argv[1:2] == ["quantize"]:  # exports in four formats, its own command line (bench_quantize.py)
+        from bench_quantize import main as quantize
+
+        return quantize(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "scenarios", nargs="+", help=f"one or two of: {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}, or gpu_1b alone"

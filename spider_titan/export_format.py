@@ -3,7 +3,11 @@ block of config.json, and the tensor-name check.
 
     <export>/config.json         {"model": {"name", "flavor", "args"}, ...} (checkpoint/export.py writes it)
     <export>/model.safetensors   every tensor under its FQN; above the shard size instead
-    <export>/model-0000i-of-0000K.safetensors + model.safetensors.index.json  (``weight_map``: FQN -> file)
+    <export>/model-0000i-of-0000K.safetensors + model.safetensors.index.json  (``weight_map``: key -> file)
+
+A quantized export (config.json ``quantization``) stores each quantized weight as the plain tensors of
+quantization/weight_only.py's flattening, with its description in the file's safetensors header;
+:func:`read_tensors` rebuilds them, so every reader sees the model's FQNs.
 
 checkpoint/export.py writes an export and reads one back whole (``read_export``, for generation);
 the Hugging Face classes bundled into an export (hf/) read the model and the tensor names here too,
@@ -21,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
+import torch
 
 from spider_titan.protocol import ModelSpec
+from spider_titan.quantization.weight_only import is_torchao_header, stored_names, unflatten_quantized
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -82,16 +88,44 @@ def read_model_block(model: Any, spec_of: Callable[[str], ModelSpec], where: obj
         ) from None
 
 
-def export_tensor_names(folder: Path) -> set[str] | None:
-    """The tensor names an export folder holds (from the shards' index or the safetensors header, no
-    weights read); None when it holds neither file."""
+def weight_files(folder: Path) -> list[Path] | None:
+    """The safetensors files of an export folder (the shards its index names, or the one file); None
+    when it holds neither the index nor the file."""
     folder = Path(folder)
     if (folder / INDEX_FILE).is_file():
-        return set(json.loads((folder / INDEX_FILE).read_text())["weight_map"])
+        return [
+            folder / name for name in sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
+        ]
     if (folder / WEIGHTS_FILE).is_file():
-        with safetensors.safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
-            return set(f.keys())
+        return [folder / WEIGHTS_FILE]
     return None
+
+
+def export_tensor_names(folder: Path) -> set[str] | None:
+    """The FQNs an export folder holds (from the safetensors headers, no weights read; a quantized
+    weight counts once, under its module's FQN); None when it holds no weights file."""
+    files = weight_files(folder)
+    if files is None:
+        return None
+    names = set()
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata()
+            names |= set(stored_names(metadata) if is_torchao_header(metadata) else f.keys())
+    return names
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export folder under its FQN, quantized weights rebuilt (torchao's subclasses)."""
+    files = weight_files(folder)
+    if files is None:
+        raise FileNotFoundError(f"{folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    tensors = {}
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            metadata, stored = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}
+        tensors.update(unflatten_quantized(stored, metadata, where=file) if is_torchao_header(metadata) else stored)
+    return tensors
 
 
 def check_tensor_names(where: object, expected: set[str], found: set[str]) -> None:

@@ -4,7 +4,9 @@
 the model it names through its registry ``ModelSpec``, every tensor, each checked; an export edited or
 damaged by hand is a ValueError naming the file and the key or tensor, which ``scripts/generate.py``
 prints as one line), materialises the model (so buffers that are not saved, such as RoPE tables,
-exist) and loads the tensors strictly: no training state and no file of the run needed. Given a run
+exist) and loads the tensors strictly: no training state and no file of the run needed. A quantized
+export (``--quantize int8|int4``) gets the same linears quantized first (quantization/weight_only.py),
+then its tensors, torchao's quantized weights among them, are loaded the same strict way. Given a run
 folder, its checkpoint folder or a ``step-<N>`` folder instead, it reads the model's weights straight
 from the DCP checkpoint (the newest complete one), for a quick look during training without an export.
 
@@ -32,7 +34,8 @@ from spider_titan import registry
 from spider_titan.checkpoint.export import CONFIG_FILE, read_checkpoint_tensors, read_export
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components.builder import materialize
-from spider_titan.protocol import CachedDecoder, ModelSpec
+from spider_titan.protocol import DTYPES, CachedDecoder, ModelSpec
+from spider_titan.quantization.weight_only import load_quantized, read_method
 from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
 
 # ids a sample can draw: the 256 bytes and EOS (the range of top_k)
@@ -78,8 +81,14 @@ def load_model(
         return _load_from_checkpoint(path, device=device, dtype=dtype)
     config, model, tensors = read_export(path)
     materialize(model, torch.device(device), seed=0)
-    model.load_state_dict(tensors, strict=True)
-    return model.to(dtype).eval(), config
+    method = read_method(config, path / CONFIG_FILE)
+    if method is None:
+        model.load_state_dict(tensors, strict=True)
+    else:  # the same linears quantized as written, then every tensor loaded strictly
+        if config.get("dtype") not in DTYPES:
+            raise ValueError(f"{path / CONFIG_FILE}: dtype {config.get('dtype')!r} is not one of {sorted(DTYPES)}")
+        load_quantized(model, tensors, method, dtype=DTYPES[config["dtype"]], where=path)
+    return model.to(device=device, dtype=dtype).eval(), config
 
 
 def _is_checkpoint_folder(path: Path) -> bool:

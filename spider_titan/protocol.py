@@ -176,6 +176,8 @@ class ModelSpec:
                       the export holds no Hugging Face files
     float8_skip_fqns: linears whose FQN contains one of these stay in high precision under the float8
                       converter (besides ``float8.filter_fqns``): the parts fp8 hurts or does not speed up
+    quantize_keep_fqns: linears whose FQN contains one of these keep the export's dtype in an int8 / int4
+                      export (quantization/weight_only.py); None: the model has no quantized export
     """
 
     name: str
@@ -196,6 +198,7 @@ class ModelSpec:
     effective_loops: Callable[[nn.Module, int | None], int | None] | None = None
     hf_modules: HFModules | None = None
     float8_skip_fqns: tuple[str, ...] = ()
+    quantize_keep_fqns: tuple[str, ...] | None = None
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""

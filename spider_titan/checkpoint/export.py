@@ -22,6 +22,11 @@ on the folder, which the kernel drops when its holder dies), so the temporary si
 (``.<name>.tmp-*``, ``.<name>.old-*``) found under that lock were left by a writer that was killed
 (kill -9, power loss): the next export into ``out`` deletes them once ``out`` holds a complete export.
 
+``quantize`` (``scripts/export_safetensors.py --quantize int8|int4``) writes the model's linears
+weight-only quantized with torchao (:func:`quantized_state`, quantization/weight_only.py) and the rest in
+``dtype``; config.json's ``quantization`` names the method, and the readers quantize the same linears
+before loading. A DCP checkpoint or an unquantized export can be its source.
+
 Float8 training keeps each converted linear's high-precision weight as its parameter; with fp8
 all-gather torchao wraps it in a tensor subclass that safetensors cannot store. The export unwraps
 it, so the files hold bf16/fp32 weights under the ``nn.Linear`` names that a model built without
@@ -76,9 +81,21 @@ from spider_titan.export_format import (
     WEIGHTS_FILE,
     check_tensor_names,
     read_model_block,
+    read_tensors,
 )
 from spider_titan.hf.bundle import TOKENIZER_CONFIG, hf_config_keys, is_bundled_file, write_hf_files
 from spider_titan.metrics.logger import shell_command
+from spider_titan.quantization.weight_only import (
+    apply_weight_only,
+    check_method,
+    flatten_quantized,
+    plan_weight_only,
+    quantization_block,
+    read_method,
+    require_torchao,
+    tensor_parts,
+    torchao_header,
+)
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 EXPORT_FORMAT_VERSION = 1
@@ -146,10 +163,15 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model.") -> tuple[dict[st
 
 
 def export_config(
-    identity: ModelIdentity, dtype: torch.dtype, *, step: int | None, num_parameters: int
+    identity: ModelIdentity,
+    dtype: torch.dtype,
+    *,
+    step: int | None,
+    num_parameters: int,
+    quantization: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What config.json holds: enough to rebuild the model with no other file of the run."""
-    return {
+    config = {
         "format_version": EXPORT_FORMAT_VERSION,
         "library": "spider_titan",
         "model": {"name": identity.name, "flavor": identity.flavor, "args": identity.args},
@@ -165,6 +187,9 @@ def export_config(
         "step": step,
         "num_parameters": num_parameters,
     }
+    if quantization is not None:  # readers that predate it refuse the export by its tensor names
+        config["quantization"] = quantization
+    return config
 
 
 def _make_readable(path: Path, *, folder: bool = False) -> None:
@@ -185,17 +210,30 @@ def write_export(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     origin: str = "export",
     keep_out_of: Sequence[Path] = (),
+    quantize: str | None = None,
 ) -> Path:
     """Write ``tensors`` (full, plain FQNs) in ``dtype`` as safetensors + config.json into ``out``,
-    replacing a previous export there and refusing anything else (:func:`check_export_target`)."""
+    replacing a previous export there and refusing anything else (:func:`check_export_target`).
+    ``quantize`` (int8, int4): the model's linears weight-only quantized (:func:`quantized_state`)."""
     out = Path(out)
+    if quantize is not None:
+        check_quantizable(identity.name, quantize)
     check_export_target(out, origin=origin, keep_out_of=keep_out_of)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _export_lock(out.parent):
         _remove_abandoned(out)  # before writing, to free their space (only once out is complete)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            _write_files(tensors, identity, tmp, dtype=dtype, step=step, max_shard_bytes=max_shard_bytes, out=out)
+            _write_files(
+                tensors,
+                identity,
+                tmp,
+                dtype=dtype,
+                step=step,
+                max_shard_bytes=max_shard_bytes,
+                out=out,
+                quantize=quantize,
+            )
             _make_readable(tmp, folder=True)  # mkdtemp makes it 0700
             _swap_in(tmp, out)
         except BaseException as e:
@@ -239,6 +277,48 @@ def _remove_abandoned(out: Path) -> None:
             logger.info("export: removed %s, left by an export that did not finish", path)
 
 
+def check_quantizable(name: str, quantize: str) -> None:
+    """ValueError (one line) unless ``quantize`` is a method and model ``name`` has a quantized export."""
+    check_method(quantize)
+    if registry.get("model", name).quantize_keep_fqns is None:
+        raise ValueError(
+            f"--quantize {quantize}: the {name!r} model has no quantized export (its ModelSpec names no "
+            "quantize_keep_fqns); export it without --quantize"
+        )
+
+
+def quantized_state(
+    tensors: dict[str, torch.Tensor], identity: ModelIdentity, dtype: torch.dtype, quantize: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model's state with everything in ``dtype`` and its linears, but those its spec keeps
+    (``ModelSpec.quantize_keep_fqns``), quantized with ``quantize``; and config.json's block for it."""
+    spec = registry.get("model", identity.name)
+    model = spec.build_on_meta(identity.build_args())
+    model.to_empty(device="cpu")  # buffers that are not saved stay unset: only the state is read back
+    model.load_state_dict({k: to_plain(v) for k, v in tensors.items()}, strict=True)
+    model.to(dtype)
+    quantized, kept, skipped = plan_weight_only(model, quantize, spec.quantize_keep_fqns)
+    if not quantized:
+        raise ValueError(f"--quantize {quantize}: no linear of the {identity.name!r} model can be quantized")
+    if skipped:
+        logger.info(
+            "export: %d linear(s) stay %s, their input width is not a multiple of the int4 group: %s",
+            len(skipped),
+            DTYPE_NAMES[dtype],
+            ", ".join(skipped),
+        )
+    apply_weight_only(model, quantize, quantized)
+    logger.info(
+        "export: %d linears quantized to %s, %d kept in %s (%s)",
+        len(quantized),
+        quantize,
+        len(kept),
+        DTYPE_NAMES[dtype],
+        ", ".join(spec.quantize_keep_fqns),
+    )
+    return model.state_dict(), quantization_block(quantize, quantized, kept, skipped)
+
+
 def _write_files(
     tensors: dict[str, torch.Tensor],
     identity: ModelIdentity,
@@ -248,43 +328,52 @@ def _write_files(
     step: int | None,
     max_shard_bytes: int,
     out: Path,
+    quantize: str | None = None,
 ) -> None:
     """The export's files, into the temporary folder ``tmp`` (``out`` only names it in the log)."""
-    cast = {k: to_plain(v).to(dtype).contiguous() for k, v in tensors.items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    block = None
+    if quantize is None:
+        state = {k: to_plain(v).to(dtype).contiguous() for k, v in tensors.items()}
+        groups, descriptions, packed = {k: {k: t} for k, t in state.items()}, {}, set()
+    else:
+        state, block = quantized_state(tensors, identity, dtype, quantize)
+        groups, descriptions, packed = flatten_quantized(state, quantize)
+    shards: list[dict[str, dict[str, torch.Tensor]]] = [{}]  # file -> FQN -> stored key -> tensor
     size = 0
-    for key, t in cast.items():
-        nbytes = t.numel() * t.element_size()
+    for fqn, group in groups.items():  # a quantized weight's parts stay in one file
+        nbytes = sum(t.numel() * t.element_size() for t in group.values())
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][key] = t
+        shards[-1][fqn] = group
         size += nbytes
-    metadata = {"format": "pt"}
-    logger.info(
-        "export: writing %.0f MB in %d file(s) to %s ...",
-        sum(t.numel() * t.element_size() for t in cast.values()) / 1e6,
-        len(shards),
-        out,
-    )
+    total = sum(t.numel() * t.element_size() for group in groups.values() for t in group.values())
+    logger.info("export: writing %.0f MB in %d file(s) to %s ...", total / 1e6, len(shards), out)
+
+    def save(shard: dict[str, dict[str, torch.Tensor]], name: str) -> None:
+        stored = {key: t for group in shard.values() for key, t in group.items()}
+        metadata = {"format": "pt"}
+        if quantize is not None:
+            metadata.update(torchao_header(list(shard), descriptions, sorted(packed & set(stored))))
+        safetensors.torch.save_file(stored, tmp / name, metadata=metadata)
+        _make_readable(tmp / name)
+
     if len(shards) == 1:
-        safetensors.torch.save_file(shards[0], tmp / WEIGHTS_FILE, metadata=metadata)
-        _make_readable(tmp / WEIGHTS_FILE)
+        save(shards[0], WEIGHTS_FILE)
     else:
         weight_map = {}
         t0, written = time.perf_counter(), 0
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            safetensors.torch.save_file(shard, tmp / name, metadata=metadata)
-            _make_readable(tmp / name)
-            weight_map.update({key: name for key in shard})
-            written += sum(t.numel() * t.element_size() for t in shard.values())
+            save(shard, name)
+            weight_map.update({key: name for group in shard.values() for key in group})
+            written += sum(t.numel() * t.element_size() for group in shard.values() for t in group.values())
             rate = written / max(time.perf_counter() - t0, 1e-9) / 1e6
             logger.info("export: shard %d/%d written (%.0f MB, %.0f MB/s)", i, len(shards), written / 1e6, rate)
-        total = sum(t.numel() * t.element_size() for t in cast.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    config = export_config(identity, dtype, step=step, num_parameters=sum(t.numel() for t in cast.values()))
+    num_parameters = sum(t.numel() for t in state.values())
+    config = export_config(identity, dtype, step=step, num_parameters=num_parameters, quantization=block)
     hf_modules = registry.get("model", identity.name).hf_modules
     if hf_modules is not None:  # loadable by transformers' Auto classes too (docs/hf.md)
         config.update(hf_config_keys(identity.args, hf_modules))
@@ -402,15 +491,23 @@ def export_checkpoint(
     dtype: torch.dtype,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     origin: str = "export",
+    quantize: str | None = None,
 ) -> Path:
-    """A DCP checkpoint (full or model-only, saved by any number of ranks) -> a safetensors export.
+    """A DCP checkpoint (full or model-only, saved by any number of ranks), or an unquantized export
+    (re-exported, e.g. to quantize it), -> a safetensors export.
 
-    ``out`` is checked before anything is read: it may not be, hold or lie inside the checkpoint
-    folder (the ``step-<N>`` folder's parent), and may hold nothing but a previous export."""
+    ``out`` is checked before any weight is read: it may not be, hold or lie inside the checkpoint
+    folder (the ``step-<N>`` folder's parent) or the export read, and may hold nothing but a previous export."""
     checkpoint = Path(checkpoint)
+    if (checkpoint / CONFIG_FILE).is_file():
+        return _reexport(
+            checkpoint, out, dtype=dtype, max_shard_bytes=max_shard_bytes, origin=origin, quantize=quantize
+        )
     path = resolve_checkpoint(checkpoint, origin="checkpoint")
     keep_out_of = [path.parent] if STEP_RE.match(path.name) else [path]
     check_export_target(out, origin=origin, keep_out_of=keep_out_of)
+    if quantize is not None:  # before the weights are read
+        check_quantizable(ModelIdentity.from_json(read_meta(path)["model"]).name, quantize)
     tensors, meta = read_checkpoint_tensors(path)
     identity = ModelIdentity.from_json(meta["model"])
     return write_export(
@@ -422,6 +519,37 @@ def export_checkpoint(
         max_shard_bytes=max_shard_bytes,
         origin=origin,
         keep_out_of=keep_out_of,
+        quantize=quantize,
+    )
+
+
+def _reexport(
+    source: Path, out: Path, *, dtype: torch.dtype, max_shard_bytes: int, origin: str, quantize: str | None
+) -> Path:
+    """The export ``source`` written again into ``out`` (another dtype, or quantized)."""
+    where, inside = Path(out).resolve(), source.resolve()
+    if where == inside or inside in where.parents:
+        raise ValueError(f"{origin}: {out} is or lies inside the export being read ({source}); give another folder")
+    config = read_export_config(source)
+    if read_method(config, source / CONFIG_FILE) is not None:
+        raise ValueError(
+            f"{source}: already quantized ({config['quantization']['method']}); export from its checkpoint "
+            "or an unquantized export instead"
+        )
+    identity = ModelIdentity.from_json({**config["model"], "converters": config.get("trained_with_converters", [])})
+    if quantize is not None:  # before the weights are read
+        check_quantizable(identity.name, quantize)
+    check_export_target(out, origin=origin)
+    _, _, tensors = read_export(source)
+    return write_export(
+        tensors,
+        identity,
+        out,
+        dtype=dtype,
+        step=config.get("step"),
+        max_shard_bytes=max_shard_bytes,
+        origin=origin,
+        quantize=quantize,
     )
 
 
@@ -455,17 +583,9 @@ def read_export_config(path: Path) -> dict[str, Any]:
 
 
 def load_export_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an export folder (one file, or the shards its index names)."""
-    path = Path(path)
-    if (path / INDEX_FILE).is_file():
-        index = json.loads((path / INDEX_FILE).read_text())
-        tensors = {}
-        for name in sorted(set(index["weight_map"].values())):
-            tensors.update(safetensors.torch.load_file(path / name))
-        return tensors
-    if not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
-    return safetensors.torch.load_file(path / WEIGHTS_FILE)
+    """Every tensor of an export folder (one file, or the shards its index names), under its FQN;
+    a quantized export's weights as torchao's tensors (export_format.read_tensors)."""
+    return read_tensors(Path(path))
 
 
 def _weights_file(path: Path, key: str | None = None) -> Path:
@@ -508,6 +628,9 @@ def read_export(path: Path) -> tuple[dict[str, Any], nn.Module, dict[str, torch.
     path = Path(path)
     config = read_export_config(path)
     spec, args = read_model_block(config.get("model"), lambda name: registry.get("model", name), path / CONFIG_FILE)
+    method = read_method(config, path / CONFIG_FILE)
+    if method is not None:  # before reading: a missing torchao is not a damaged file
+        require_torchao(path / CONFIG_FILE, method)
     try:
         model = spec.build_on_meta(args)
     except Exception as e:  # args of the right types whose values build no model (n_heads = 0, ...)
@@ -525,7 +648,7 @@ def read_export(path: Path) -> tuple[dict[str, Any], nn.Module, dict[str, torch.
                 f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
                 f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}"
             )
-        if tensors[key].is_floating_point() and not bool(torch.isfinite(tensors[key]).all()):
+        if not all(bool(torch.isfinite(t).all()) for t in tensor_parts(tensors[key]) if t.is_floating_point()):
             raise ValueError(
                 f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
                 "saved before the values went non-finite"

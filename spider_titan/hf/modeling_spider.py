@@ -7,7 +7,9 @@ cache (models/spider/decode.py) through ``past_key_values``: one byte's work per
 The model block of config.json and the export's tensor names are read and checked by
 export_format.py, the checks spider_titan's own reader makes (checkpoint/export.py): ``from_pretrained``
 refuses an export whose tensors are not the model's (transformers alone would initialise the missing
-ones at random, with only a warning), as scripts/generate.py does.
+ones at random, with only a warning), as scripts/generate.py does. A quantized export (int8 / int4,
+torchao) is loaded here rather than by transformers' loader, the way spider_titan loads it
+(quantization/weight_only.py ``load_quantized``; docs/hf.md says why not ``TorchAoConfig``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from spider_titan.export_format import CONFIG_FILE, check_tensor_names, export_tensor_names, read_model_block
+from spider_titan.export_format import (
+    CONFIG_FILE,
+    check_tensor_names,
+    export_tensor_names,
+    read_model_block,
+    read_tensors,
+)
 from spider_titan.hf.configuration_spider import SpiderConfig
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.decode import SpiderCache, decode, new_cache, unsupported
 from spider_titan.models.spider.model import SPIDER_SPEC, Spider
-from spider_titan.protocol import ModelSpec, lm_loss_mean
+from spider_titan.protocol import DTYPES, ModelSpec, lm_loss_mean
+from spider_titan.quantization.weight_only import load_quantized, read_method
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
 
@@ -61,7 +70,7 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' loader, refusing an export that lacks a tensor of the model or holds one it
         has not (transformers would initialise the missing at random and only warn). A local folder
         is checked before any weight is read; anything else (a hub id) by transformers' own load
-        report, after it."""
+        report, after it. A quantized export (a local folder) is loaded by :meth:`_from_quantized`."""
         config = kwargs.get("config")
         folder = None if pretrained_model_name_or_path is None else Path(pretrained_model_name_or_path)
         if folder is not None and kwargs.get("subfolder"):
@@ -74,6 +83,9 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
             with torch.device("meta"):
                 expected = set(Spider(spider_args(config, folder)).state_dict())
             check_tensor_names(folder, expected, names)
+            method = read_method({"quantization": getattr(config, "quantization", None)}, folder / CONFIG_FILE)
+            if method is not None:
+                return cls._from_quantized(folder, config, method, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -84,6 +96,27 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         expected = set(model.model.state_dict())
         check_tensor_names(pretrained_model_name_or_path, expected, (expected - missing) | unexpected)
         return (model, info) if want_info else model
+
+    @classmethod
+    def _from_quantized(cls, folder: Path, config: SpiderConfig, method: str, kwargs: dict) -> SpiderForCausalLM:
+        """The int8 / int4 export in ``folder``, loaded as spider_titan's ``load_model`` loads it: the
+        model built, the same linears quantized, every tensor loaded strictly. Of ``from_pretrained``'s
+        ``kwargs`` it honours ``dtype`` (the compute dtype; default or "auto": the export's) and a
+        ``device_map`` naming one device."""
+        saved = DTYPES.get(str(config.dtype).removeprefix("torch."))
+        if saved is None:
+            raise ValueError(f"{folder / CONFIG_FILE}: dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        dtype = saved if dtype in (None, "auto") else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        device = kwargs.get("device_map") or "cpu"
+        if isinstance(device, dict) and len(set(device.values())) == 1:  # {"": "cpu"}, as lm-eval passes it
+            device = next(iter(device.values()))
+        if not isinstance(device, (str, int, torch.device)):
+            raise ValueError(f"{folder}: a quantized export loads onto one device; pass device_map='cpu' or 'cuda'")
+        model = cls(config)
+        load_quantized(model.model, read_tensors(folder), method, dtype=saved, where=folder)
+        model = model.to(device=device, dtype=dtype).eval()
+        return (model, {"missing_keys": [], "unexpected_keys": []}) if kwargs.get("output_loading_info") else model
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

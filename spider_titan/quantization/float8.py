@@ -33,6 +33,7 @@ from torch import nn
 
 from spider_titan.job_config import Float8
 from spider_titan.protocol import ModelSpec
+from spider_titan.quantization.weight_only import quiet_torchao_import
 
 logger = logging.getLogger("spider_titan")
 
@@ -50,25 +51,13 @@ class Float8Report:
     fp8_experts: int = 0
 
 
-# Loggers that speak while torchao imports: its optional GPU extensions that a CPU build lacks
-# ("Failed to load ..._C_mxfp8...so"), and torch's deprecation of torchao's Enum registration. Neither
-# concerns a run, and a user's stderr should hold the one line of a real problem.
-_QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")
-
-
 def torchao_float8_available() -> tuple[bool, str]:
     """(available, reason when not)."""
-    loggers = [logging.getLogger(name) for name in _QUIET_AT_IMPORT]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
     try:
-        import torchao.float8  # noqa: F401
+        with quiet_torchao_import():
+            import torchao.float8  # noqa: F401
     except Exception as e:  # torchao missing or broken against this torch
         return False, f"torchao.float8 is not importable ({type(e).__name__}: {e})"
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
     return True, ""
 
 

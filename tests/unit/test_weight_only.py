@@ -1,0 +1,183 @@
+"""Quantized exports (``--quantize int8|int4``, quantization/weight_only.py): written from an export, loaded by
+spider_titan and by transformers into the same model, smaller than fp32; the mistakes are one line each.
+
+The model is a randomly initialised debug Spider (seed 0) written by the exporter itself, as in
+tests/integration/test_hf.py."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from spider_titan import registry
+from spider_titan.checkpoint.export import export_checkpoint, quantized_state, read_export, write_export
+from spider_titan.checkpoint.layout import ModelIdentity
+from spider_titan.components.builder import materialize
+from spider_titan.generation import generate, load_model
+from spider_titan.models.spider import SPIDER_FLAVORS
+from spider_titan.quantization import weight_only
+from spider_titan.vocab import BOS_ID
+from tests.utils import REPO
+
+pytest.importorskip("torchao")
+
+QUANTIZED_TYPE = {"int8": "Int8Tensor", "int4": "IntxUnpackedToInt8Tensor"}
+
+
+def _export(name: str, out: Path) -> Path:
+    """A randomly initialised debug model of ``name`` written as an fp32 export."""
+    torch.manual_seed(0)
+    spec = registry.get("model", name)
+    args = spec.flavors["debug"]
+    model = spec.build_on_meta(args)
+    materialize(model, torch.device("cpu"), seed=0)
+    return write_export(model.state_dict(), ModelIdentity.of(name, "debug", args), out, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """fp32, bf16, int8 and int4 exports of one model (the last three re-exported from the first)."""
+    root = tmp_path_factory.mktemp("quantize")
+    out = {"fp32": _export("spider", root / "fp32")}
+    out["bf16"] = export_checkpoint(out["fp32"], root / "bf16", dtype=torch.bfloat16)
+    for method in weight_only.METHODS:
+        out[method] = export_checkpoint(out["fp32"], root / method, dtype=torch.bfloat16, quantize=method)
+    return out
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "export_safetensors_script", REPO / "scripts" / "export_safetensors.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_int4_packs_two_values_per_byte():
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)  # (3, 32), every int4 value
+    packed = weight_only._pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16)
+    assert torch.equal(weight_only._unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("method", weight_only.METHODS)
+def test_a_quantized_export_loads_the_same_in_spider_titan_and_transformers(exports, method, monkeypatch):
+    """The export's linears are torchao's quantized tensors but for those the spec keeps; spider_titan's
+    load_model reads back exactly what was quantized, and transformers (the export's own code) builds
+    the same model: equal logits and the same greedy bytes from both generate()s."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = exports[method]
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["method"] == method and config["dtype"] == "bfloat16"
+    assert "lm_head" in config["quantization"]["kept_linears"]
+
+    model, _ = load_model(out)
+    assert type(model.core.inject.weight).__name__ == QUANTIZED_TYPE[method]
+    assert type(model.lm_head.weight) is nn.Parameter and type(model.boundary_predictor.q_proj.weight) is nn.Parameter
+    # what is read back is what the exporter quantized (int4: packed two per byte on disk)
+    _, _, source = read_export(exports["fp32"])
+    identity = ModelIdentity.of("spider", "debug", SPIDER_FLAVORS["debug"])
+    written, _ = quantized_state(source, identity, torch.bfloat16, method)
+    stored = load_model(out, dtype=torch.bfloat16)[0].state_dict()
+    assert written.keys() == stored.keys()
+    for key, value in written.items():
+        assert type(stored[key]) is type(value), key
+        assert all(map(torch.equal, weight_only.tensor_parts(value), weight_only.tensor_parts(stored[key]))), key
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    prompt = b"Once upon"
+    ids = torch.tensor([[BOS_ID, *prompt]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    ours = generate(model, prompt, max_new_bytes=16, temperature=0)
+    theirs = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert len(ours) == 16 and list(ours) == theirs
+
+
+def test_quantized_exports_are_smaller(exports):
+    size = {name: sum(f.stat().st_size for f in path.glob("*.safetensors")) for name, path in exports.items()}
+    assert size["int4"] < size["int8"] < size["bf16"] < size["fp32"], size
+
+
+def test_an_unknown_quantization_is_one_line(exports, tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        _script().main(["--checkpoint", str(exports["fp32"]), "--out", str(tmp_path / "x"), "--quantize", "int3"])
+    assert (
+        stop.value.code
+        == "export_safetensors: error: --quantize 'int3': unknown quantization; choose int8 or int4 (or none)"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_model_without_a_quantized_export_is_one_line(tmp_path):
+    """The dense model's spec names no ``quantize_keep_fqns``: refused before any weight is read."""
+    dense = _export("dense", tmp_path / "dense")
+    with pytest.raises(SystemExit) as stop:
+        _script().main(["--checkpoint", str(dense), "--out", str(tmp_path / "x"), "--quantize", "int8"])
+    assert stop.value.code == (
+        "export_safetensors: error: --quantize int8: the 'dense' model has no quantized export (its ModelSpec "
+        "names no quantize_keep_fqns); export it without --quantize"
+    )
+
+
+def test_a_quantized_export_is_no_source(exports, tmp_path):
+    with pytest.raises(ValueError) as err:
+        export_checkpoint(exports["int8"], tmp_path / "x", dtype=torch.bfloat16, quantize="int4")
+    assert str(err.value) == (
+        f"{exports['int8']}: already quantized (int8); export from its checkpoint or an unquantized export instead"
+    )
+
+
+def test_reading_a_quantized_export_needs_torchao_and_a_known_method(exports, tmp_path, monkeypatch):
+    folder = tmp_path / "int8"
+    folder.mkdir()
+    for f in exports["int8"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "torchao.quantization", None)  # import torchao.quantization fails
+        with pytest.raises(ValueError) as err:
+            load_model(folder)
+    line = str(err.value)
+    assert line.startswith(f"{folder / 'config.json'}: int8 weights need torchao (") and "\n" not in line, line
+    assert line.endswith("; pip install torchao")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"]["method"] = "int3"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        load_model(folder)
+    assert str(err.value) == (
+        f"{folder / 'config.json'}: quantization 'int3' is not one this code reads (int8, int4); "
+        "load it with the spider_titan that wrote it"
+    )
+
+
+def test_the_quantize_benchmark_pairs_its_four_formats_with_bf16(exports, tmp_path, monkeypatch, capsys):
+    """``scripts/benchmark.py quantize`` end to end on a small val split: every format written, loaded,
+    scored on the same windows (bf16 against itself: 0) and timed."""
+    import numpy as np
+
+    from spider_titan.data.shards import write_shard
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        write_shard(tmp_path / "data" / split / "part_0.bin", rng.integers(0, 256, 4 * 64 + 1).astype(np.uint16))
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    bench = importlib.import_module("bench_quantize")
+    argv = ["--model", str(exports["fp32"]), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
+    assert bench.main([*argv, "--seq_len", "64", "--batch", "2", "--loads", "1", "--context", "16", "--new", "4"]) == 0
+    report = json.loads((tmp_path / "out" / "quantize.json").read_text())
+    rows = report["rows"]
+    assert list(rows) == ["fp32", "bf16", "int8", "int4"]
+    assert rows["bf16"][str(tmp_path / "data")]["diff"] == 0
+    assert rows["int4"]["file_mb"] < rows["int8"]["file_mb"] < rows["bf16"]["file_mb"] < rows["fp32"]["file_mb"]
+    assert all(row["load_s"] > 0 and row["decode_bytes_per_s"] > 0 for row in rows.values())
+    assert "| int4 | " in capsys.readouterr().out
