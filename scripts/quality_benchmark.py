@@ -124,6 +124,18 @@ RUNS = [
         "the last loop, random initial state, no per-loop LoRA",
     ),
     Run(
+        "spider_depth",
+        SPIDER_CONFIG,
+        ("--model.n_loops", "3", "--model.depth_capacity", "[0.5, 0.5, 0.25]"),
+        "per-segment depth: 3 loops, the 2nd and 3rd on at most half of the segments (the core's FLOPs of 2 loops)",
+    ),
+    Run(
+        "spider_depth4",
+        SPIDER_CONFIG,
+        ("--model.n_loops", "4", "--model.depth_capacity", "[0.5, 0.25, 0.25]"),
+        "per-segment depth: 4 loops on shares 1, 1/2, 1/4, 1/4 of the segments (the core's FLOPs of 2 loops)",
+    ),
+    Run(
         "spider_invariant_full",
         SPIDER_CONFIG,
         INVARIANT_FULL,

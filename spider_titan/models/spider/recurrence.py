@@ -292,6 +292,7 @@ class CoreOutput:
     backprop_loops: of those, the loops with a graph (host int; ``loops_run`` outside truncated training)
     loop_shares:  per loop after the first under ``depth_capacity``: the share of real segments it ran on
     loop_slots:   the same loops' slots per row (host ints)
+    segment_loops: under ``depth_capacity``, the loops each segment ran (B, S) int64 (None otherwise)
     """
 
     output: torch.Tensor
@@ -301,6 +302,7 @@ class CoreOutput:
     backprop_loops: int
     loop_shares: list[torch.Tensor] = field(default_factory=list)
     loop_slots: list[int] = field(default_factory=list)
+    segment_loops: torch.Tensor | None = None
 
 
 class RecurrentCore(nn.Module):
@@ -354,7 +356,7 @@ class RecurrentCore(nn.Module):
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
         h = s.new_zeros(injected.shape) if h0 is None else h0.to(s.dtype)  # the state loop 0 receives
-        ran, shares, slots = None, [], []  # under depth_capacity: the segments that ran the last loop
+        ran, shares, slots, depth = None, [], [], None  # under depth_capacity: the segments that ran the last loop
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
@@ -384,6 +386,7 @@ class RecurrentCore(nn.Module):
                         )
                     shares.append(ran.sum() / seg_real.sum().clamp(min=1))
                     slots.append(k)
+                    depth = ran.long() + (seg_real.long() if depth is None else depth)
                     continue
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count as a symbol (run_loop marks the state), so one graph serves every
@@ -417,6 +420,7 @@ class RecurrentCore(nn.Module):
             backprop_loops=grad_loops,
             loop_shares=shares,
             loop_slots=slots,
+            segment_loops=depth,
         )
 
     def routed_loop(
