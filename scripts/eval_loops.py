@@ -3,17 +3,21 @@ difference to the first and the difference's standard error over the val windows
 
     python scripts/eval_loops.py --model RUN/export --loops 2,4                # built-in corpus
     python scripts/eval_loops.py --model RUN/export --data data/prose --loops 2,4 --json out.json
+    python scripts/eval_loops.py --model RUN/export --loops 3,4 --depth_scale 1,2  # per-segment depth
 
 The counts are evaluated on the same bytes (the whole val split, as ``validation.steps = -1``), so
 their difference is measured far more precisely than either figure: the standard error is the
 spread of the per-window differences (a ratio estimator over windows, each weighted by its bytes),
 which is what decides whether more loops are better, worse or indistinguishable. ``--model`` takes
 an export folder or a run / checkpoint folder (its newest complete checkpoint), as generate.py.
+A model with per-segment depth (``model.depth_capacity``) is also evaluated at each ``--depth_scale``: its
+loops' shares times the scale (at most 1), every (loops, scale) pair against the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="export folder, or a run / checkpoint folder")
     p.add_argument("--data", default=None, help="a bytes folder; default: the built-in corpus")
     p.add_argument("--loops", default="2,4", help="comma-separated eval loop counts; the first is the reference")
+    p.add_argument("--depth_scale", default="1", help="per-segment depth: comma-separated scales of the loops' shares")
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda; fp32 either way")
@@ -61,17 +66,24 @@ def main(argv: list[str] | None = None) -> None:
     loader = ByteDataLoader(
         dataset, seq_len=args.seq_len, local_batch_size=args.batch, dp_rank=0, dp_world_size=1, seed=0
     )
-    losses = {n: window_losses(model, loader, n, device) for n in loops}
-    base, count = losses[loops[0]]
+    scales = [float(x) for x in args.depth_scale.split(",")]
+    router = getattr(getattr(model, "core", None), "depth", None)
+    if router is None and scales != [1.0]:
+        raise SystemExit("--depth_scale: the model has no per-segment depth (model.depth_capacity is empty)")
+    losses = {}
+    for scale in scales:
+        with router.scaled(scale) if router is not None else contextlib.nullcontext():
+            losses.update({(n, scale): window_losses(model, loader, n, device) for n in loops})
+    first = (loops[0], scales[0])
+    base, count = losses[first]
     rows = []
-    for n in loops:
-        ce, _ = losses[n]
+    for (n, scale), (ce, _) in losses.items():
         diff, se = paired_difference(ce, base, count)
         bpb = float(ce.sum() / count.sum()) / math.log(2)
-        rows.append({"n_loops": n, "val_bpb": bpb, "diff_bpb": diff, "se_bpb": se, "windows": int((count > 0).sum())})
-        print(
-            f"n_loops {n}: val bpb {bpb:.5f}  vs {loops[0]}: {diff:+.5f} +- {se:.5f} (1 s.e., {rows[-1]['windows']} windows)"
-        )
+        row = {"n_loops": n, "val_bpb": bpb, "diff_bpb": diff, "se_bpb": se, "windows": int((count > 0).sum())}
+        rows.append(row if router is None else {**row, "depth_scale": scale})
+        at = f"n_loops {n}" + ("" if router is None else f" depth x{scale:g}")
+        print(f"{at}: val bpb {bpb:.5f}  vs the first: {diff:+.5f} +- {se:.5f} (1 s.e., {row['windows']} windows)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

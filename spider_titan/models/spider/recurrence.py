@@ -27,6 +27,7 @@ loss is then the mean over the k loops with a graph); ``loop_init_std`` starts f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -249,6 +250,17 @@ class DepthRouter(nn.Module):
     def share(self, loop: int) -> float:
         """``c`` of loop index ``loop`` (>= 1, 0-based)."""
         return self.shares[loop - 1]
+
+    @contextlib.contextmanager
+    def scaled(self, scale: float):
+        """Within the block every share is ``min(1, scale * c)``: more segments run the later loops
+        (test-time depth by capacity, scripts/eval_loops.py ``--depth_scale``)."""
+        shares = self.shares
+        self.shares = [min(1.0, scale * c) for c in shares]
+        try:
+            yield
+        finally:
+            self.shares = shares
 
     def slots(self, S: int, share: float) -> int:
         """Segment slots per row a loop of ``share`` runs on."""
