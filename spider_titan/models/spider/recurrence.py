@@ -377,25 +377,21 @@ class RecurrentCore(nn.Module):
                         h, injected, packed = packed.pad(h), packed.pad(injected), None
                     freqs, bucket_ids, seg_real = rows
                     ran = seg_real if ran is None else ran
-                    if caches is None:
-                        h, aux_sum, counts, ran, k = self.routed_loop(
-                            i, h, injected, decay, loop, freqs, bucket_ids, ran, aux_sum, counts, i >= first_grad_loop
-                        )
-                    else:
-                        h, aux_sum, counts, ran, k = self.routed_step(
-                            i,
-                            h,
-                            injected,
-                            decay,
-                            loop,
-                            freqs,
-                            bucket_ids,
-                            ran,
-                            aux_sum,
-                            counts,
-                            caches[i],
-                            depth_caches[i],
-                        )
+                    h, aux_sum, counts, ran, k = self.routed_loop(
+                        i,
+                        h,
+                        injected,
+                        decay,
+                        loop,
+                        freqs,
+                        bucket_ids,
+                        ran,
+                        aux_sum,
+                        counts,
+                        i >= first_grad_loop,
+                        None if caches is None else caches[i],
+                        None if depth_caches is None else depth_caches[i],
+                    )
                     shares.append(ran.sum() / seg_real.sum().clamp(min=1))
                     slots.append(k)
                     depth = ran.long() + (seg_real.long() if depth is None else depth)
@@ -448,16 +444,31 @@ class RecurrentCore(nn.Module):
         aux_sum: torch.Tensor,
         counts: torch.Tensor,
         count_aux: bool,
+        caches: list[KVCache] | None = None,
+        state: DepthCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Loop ``i`` >= 1 under ``depth_capacity`` on (B, S) rows (:class:`DepthRouter`):
-        the runners are gathered into ``slots`` per row, in order (attention stays causal, each at its
-        own RoPE position), run, and scattered back. Returns (h, aux_sum, counts, runners, slots)."""
+        """Loop ``i`` >= 1 under ``depth_capacity`` on (B, S) rows (:class:`DepthRouter`): the runners
+        are gathered into ``slots`` per row, in order (attention stays causal, each at its own RoPE
+        position), run, and scattered back. Returns (h, aux_sum, counts, runners, slots).
+        Incremental decoding (``caches`` and ``state``: one row, its new segments ``h (1, n, dim)``):
+        the router reads the row's earlier scores from ``state``, and only the runners' keys and
+        values enter this loop's caches, as only they are this loop's keys in the full forward."""
         depth = self.depth
         share = depth.share(i)
-        z = causal_standardize(depth.scores(h))
-        runners, p, _ = depth.choose(z, ran, share)
-        k = depth.slots(h.shape[1], share)
-        idx = torch.sort((~runners).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (B, k) runners first
+        if state is None:
+            z = causal_standardize(depth.scores(h))
+            runners, p, _ = depth.choose(z, ran, share)
+            k = depth.slots(h.shape[1], share)
+            idx = torch.sort((~runners).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (B, k) runners first
+        else:
+            first = state.scores.length
+            z = causal_standardize(state.scores.append(depth.scores(h)))[:, first:]
+            runners, p, (wanted, low) = depth.choose(z, ran, share, first=first, before=state.admission)
+            state.admission = (int(wanted[0]), int(low[0]))
+            idx = runners.nonzero()[:, 1].unsqueeze(0)  # (1, k): the runners only
+            k = idx.shape[1]
+            if k == 0:
+                return h, aux_sum, counts, runners, 0
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
@@ -465,53 +476,11 @@ class RecurrentCore(nn.Module):
         valid = runners.gather(1, idx)
         before = take(h)
         out, aux_sum, counts = self.run_loop(
-            before, take(injected), decay, loop, freqs[idx], take(bucket_ids), valid, aux_sum, counts, count_aux
+            before, take(injected), decay, loop, freqs[idx], take(bucket_ids), valid, aux_sum, counts, count_aux, caches
         )
         gate = (1.0 + p - p.detach()).gather(1, idx).unsqueeze(-1).to(out.dtype)
         out = torch.where(valid.unsqueeze(-1), before + gate * (out - before), before)
         return h.scatter(1, idx.unsqueeze(-1).expand_as(out), out), aux_sum, counts, runners, k
-
-    def routed_step(
-        self,
-        i: int,
-        h: torch.Tensor,
-        injected: torch.Tensor,
-        decay: torch.Tensor,
-        loop: torch.Tensor,
-        freqs: torch.Tensor,
-        bucket_ids: torch.Tensor,
-        ran: torch.Tensor,
-        aux_sum: torch.Tensor,
-        counts: torch.Tensor,
-        caches: list[KVCache],
-        state: DepthCache,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """:meth:`routed_loop` for incremental decoding (one row, new segments ``h (1, n, dim)``): the
-        router reads the row's earlier scores from ``state``, and only the runners' keys and values
-        enter this loop's caches, as only they are this loop's keys in the full forward."""
-        depth = self.depth
-        share = depth.share(i)
-        first = state.scores.length
-        z = causal_standardize(state.scores.append(depth.scores(h)))[:, first:]
-        runners, _, (wanted, low) = depth.choose(z, ran, share, first=first, before=state.admission)
-        state.admission = (int(wanted[0]), int(low[0]))
-        idx = runners[0].nonzero().squeeze(1)
-        if idx.numel():
-            out, aux_sum, counts = self.run_loop(
-                h[:, idx],
-                injected[:, idx],
-                decay,
-                loop,
-                freqs[idx],
-                bucket_ids[:, idx],
-                runners[:, idx],
-                aux_sum,
-                counts,
-                False,
-                caches,
-            )
-            h = h.index_copy(1, idx, out)
-        return h, aux_sum, counts, runners, int(idx.numel())
 
     def run_loop(
         self,
