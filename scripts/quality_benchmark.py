@@ -136,6 +136,26 @@ RUNS = [
         "per-segment depth: 4 loops on shares 1, 1/2, 1/4, 1/4 of the segments (the core's FLOPs of 2 loops)",
     ),
     Run(
+        "spider_depth_sampled",
+        SPIDER_CONFIG,
+        ("--model.n_loops", "3", "--model.depth_capacity", "[0.5, 0.5, 0.25]", "--model.depth_scale_range", "2"),
+        "spider_depth with each step's shares scaled by a factor drawn log-uniformly in [1/2, 2]",
+    ),
+    Run(
+        "spider_depth_tail",
+        SPIDER_CONFIG,
+        (
+            "--model.depth_capacity",
+            "[0.5, 0.25, 0.25]",
+            "--model.loop_sampling",
+            "tail",
+            "--model.loop_step_size",
+            "true",
+        ),
+        "shipped 2 loops, per-segment depth on shares 1/2, 1/4, 1/4, a tenth of the steps at 4 loops (full "
+        "backprop), a learned step size per loop",
+    ),
+    Run(
         "spider_invariant_full",
         SPIDER_CONFIG,
         INVARIANT_FULL,

@@ -82,6 +82,10 @@ class SpiderArgs:
     """Per-segment depth (recurrence.py ``DepthRouter``): entry i caps the share of segments that loop
     i + 2 runs on, chosen causally by a learned router; one entry per loop after the first (max_loops - 1).
     Empty: every segment runs every loop."""
+    depth_scale_range: float = ranged(1.0, low=1)
+    """Training only, with ``depth_capacity``: each step's shares are scaled by a factor drawn
+    log-uniformly in [1/r, r] from the step (capped at 1), so the later loops learn to serve more or
+    fewer segments; 1: off."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = ranged(4.0, low=1, low_open=True)
@@ -171,6 +175,8 @@ class SpiderArgs:
                 out.append(f"depth_capacity: {self.depth_capacity}: every share must be in (0, 1]")
             if self.backprop_loops:
                 out.append("depth_capacity: per-segment depth needs backprop_loops = 0 (every loop keeps a graph)")
+        elif self.depth_scale_range != 1.0:
+            out.append("depth_scale_range: scales the shares of depth_capacity, which is empty")
         if self.loop_sampling == "tail":
             deep, p_deep, p_one = self.tail_shares()
             if self.n_loops < 2 or deep <= self.n_loops:
@@ -209,6 +215,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_dim": 0,
     "segment_capacity": 0.0,
     "depth_capacity": [],
+    "depth_scale_range": 1.0,
 }
 
 # Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code

@@ -29,6 +29,7 @@ identity, so at the start the coda reads only the core's output; ``lm_head`` tru
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, S
 from spider_titan.models.spider.attention import MLA, PackedRows
 from spider_titan.models.spider.calibration import calibrate_extra_loops, effective_loops
 from spider_titan.models.spider.flops import spider_flops_per_byte
-from spider_titan.models.spider.recurrence import RecurrentCore, sample_loops
+from spider_titan.models.spider.recurrence import RecurrentCore, sample_depth_scale, sample_loops
 from spider_titan.models.spider.segmentation import BoundaryPredictor, Chunker
 from spider_titan.protocol import FLOPS_PER_BYTE, HFModules, ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
@@ -143,7 +144,10 @@ class Spider(nn.Module):
             chunks, bucket_ids = chunker.pool(x, seg), chunker.engram_ids(input_ids, seg)  # (B, S, dim), (B, S, 2)
             # the core runs on the real segments packed into one row, or under a capacity on every slot
             packed = None if capacity else PackedRows.of(seg.seg_valid, seg.total_segments)
-        with record_function("spider.core"):
+        scale = (
+            sample_depth_scale(a, step) if self.training and step is not None and self.core.depth is not None else 1.0
+        )
+        with record_function("spider.core"), self.core.depth.scaled(scale) if scale != 1.0 else nullcontext():
             core = self.core(
                 chunks,
                 n_loops=n_loops,

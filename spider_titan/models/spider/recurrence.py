@@ -101,6 +101,13 @@ def sample_loops(args: SpiderArgs, step: int) -> int:
     return int(min(1 + rng.poisson(rate), args.max_loops))
 
 
+def sample_depth_scale(args: SpiderArgs, step: int) -> float:
+    """Training scale of the depth shares at optimizer step ``step`` (``depth_scale_range`` r > 1):
+    log-uniform in [1/r, r], a pure function of (args, step) drawn on the host like :func:`sample_loops`."""
+    r = args.depth_scale_range
+    return 1.0 if r <= 1 else float(r ** np.random.default_rng([_LOOP_SEED + 1, step]).uniform(-1.0, 1.0))
+
+
 def initial_state(keys: torch.Tensor | None, S: int, dim: int, std: float) -> torch.Tensor | None:
     """The random initial state ``h_0`` (B, S, dim) fp32, ``N(0, std^2)`` by Box-Muller from
     ``keyed_uniform``: a pure function of (sample key, segment, channel), so a sample starts from
