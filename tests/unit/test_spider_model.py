@@ -155,14 +155,17 @@ def test_causality_check_catches_a_missing_shift(monkeypatch, segments):
 
 @pytest.mark.parametrize("convention", ["first", "mean"])
 def test_causality_check_catches_a_depth_router_that_reads_the_whole_row(monkeypatch, convention):
-    """Per-segment depth: a router whose scores are standardised over the whole row (as an
-    expert-choice top-k over the sequence would rank them) lets later segments decide which earlier
-    ones run a loop; the check flags it, and passes the causal router (test_causality)."""
+    """Per-segment depth: a router that ranks each segment's score among the whole row's (as an
+    expert-choice top-k over the sequence does) lets later segments decide which earlier ones run a
+    loop; the check flags it, and passes the causal router (test_causality)."""
     from spider_titan.models.spider import recurrence
 
     model = build(seed=1, **DEPTH_CONFIGS[f"depth_{convention}"])
-    whole_row = lambda x: (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True).clamp(min=1e-3)  # noqa: E731
-    monkeypatch.setattr(recurrence, "causal_standardize", whole_row)
+
+    def whole_row(x, first=0):  # the rank among every segment of the row, later ones included
+        return (x[:, first:].unsqueeze(2) > x.unsqueeze(1)).float().mean(-1)
+
+    monkeypatch.setattr(recurrence, "causal_quantile", whole_row)
     gaps = causality_gaps(model, sample_ids(0, T=160), train=False, seed=0, positions=range(20, 160, 10))
     assert max(before for _, before, _ in gaps) > 1e-3
 

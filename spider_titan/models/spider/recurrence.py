@@ -222,6 +222,18 @@ class CoreBlock(nn.Module):
         self.moe.init_weights(init_std, out_std)
 
 
+def causal_quantile(x: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """(B, S) -> (B, S - first): for each of the positions ``first..`` of each row, the share of the
+    row's positions <= it whose value is lower (ties count half, itself included), so position j
+    reads positions <= j only. O(S^2) comparisons per row."""
+    S = x.shape[1]
+    j = torch.arange(first, S, device=x.device)
+    causal = torch.arange(S, device=x.device).unsqueeze(0) <= j.unsqueeze(1)  # (n, S)
+    new = x[:, first:].unsqueeze(2)  # (B, n, 1)
+    below = (x.unsqueeze(1) < new).float() + 0.5 * (x.unsqueeze(1) == new).float()  # (B, n, S)
+    return (below * causal).sum(-1) / (j + 1).to(x.dtype)
+
+
 @dataclass
 class DepthCache:
     """A decoded row's router state at one loop (decode.py): every segment's raw score so far and
@@ -235,15 +247,17 @@ class DepthRouter(nn.Module):
     """Per-segment depth with a capacity per loop (``depth_capacity``; Mixture-of-Recursions' idea,
     Bae et al. 2025, made causal).
 
-    Before loop i >= 2 every segment gets a score ``w . rmsnorm(h)`` of the state it holds; scores are
-    standardised causally along the row (``causal_standardize``: by segments <= it only) and a segment
-    wants the loop when its standardised score exceeds ``Phi^-1(1 - c_i)``, so about a share ``c_i``
-    want it whatever the router's scale (it cannot collapse to all or none). It runs the loop if it ran
-    the loop before and is within the cap: of the row's first j + 1 segments at most
-    ``floor(c_i (j + 1)) + BURST`` run it (admitted greedily in order). Both rules read segments <= j only, so no output depends on
-    a later byte, and a row holds at most ``floor(c_i S) + BURST`` runners: the loop runs on that many
+    Before loop i >= 2 every segment gets a score ``w . rmsnorm(h)`` of the state it holds, and its
+    causal quantile along the row (:func:`causal_quantile`: the share of the row's segments <= it that
+    score lower); it wants the loop when the quantile exceeds ``1 - c_i``, so about a share ``c_i`` want
+    it whatever the scores' distribution (it cannot drift to all or none: a standardised score with a
+    Gaussian threshold did, to half its share over a debug run). It runs the loop if it ran the loop
+    before and is within the cap: of the row's first j + 1 segments at most ``floor(c_i (j + 1)) + BURST``
+    run it (admitted greedily in order). Both rules read segments <= j only, so no output depends on a
+    later byte, and a row holds at most ``floor(c_i S) + BURST`` runners: the loop runs on that many
     slots per row (the runners first, in order), a static shape. A runner's update is scaled by
-    ``1 + p - p.detach()`` (value 1), ``p = sigmoid(z - threshold)``: the LM loss trains the router.
+    ``1 + p - p.detach()`` (value 1), ``p = sigmoid(z - Phi^-1(1 - c_i))`` of the causally standardised
+    score: the LM loss trains the router.
     """
 
     BURST = 2
@@ -278,23 +292,29 @@ class DepthRouter(nn.Module):
         return self.proj(F.rms_norm(h, (h.shape[-1],), eps=self.eps)).squeeze(-1).float()
 
     def choose(
-        self, z: torch.Tensor, allowed: torch.Tensor, share: float, first: int = 0, before: tuple[int, int] = (0, 0)
+        self,
+        scores: torch.Tensor,
+        allowed: torch.Tensor,
+        share: float,
+        first: int = 0,
+        before: tuple[int, int] = (0, 0),
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """(runners (B, n), p (B, n), state) for standardised scores ``z (B, n)`` of segments
-        ``first..``; ``allowed``: the segments that ran the loop before. Admission is greedy in order:
-        a wanting segment runs while fewer than ``floor(c (j + 1)) + BURST`` of the row's first j
-        segments run, computed at once as ``A_j = W_j + min(0, min_{k <= j} (cap_k - W_k))`` (runners
-        so far, W the wanting segments so far). ``before`` / ``state`` (per row): (W, the running min)
-        after the row's earlier segments, for decoding one row a few segments at a time."""
-        threshold = NormalDist().inv_cdf(1.0 - share) if share < 1 else -math.inf
-        wanted = (z > threshold) & allowed
-        index = torch.arange(first + 1, first + z.shape[1] + 1, device=z.device, dtype=torch.float64)
+        """(runners (B, n), p (B, n), state) for the segments ``first..`` of the raw ``scores (B, first +
+        n)`` of a row so far; ``allowed``: those of them that ran the loop before. Admission is greedy in
+        order: a wanting segment runs while fewer than ``floor(c (j + 1)) + BURST`` of the row's first j
+        segments run, computed at once as ``A_j = W_j + min(0, min_{k <= j} (cap_k - W_k))`` (runners so
+        far, W the wanting segments so far). ``before`` / ``state`` (per row): (W, the running min) after
+        the row's earlier segments, for decoding one row a few segments at a time."""
+        wanted = (causal_quantile(scores, first) > 1.0 - share) & allowed
+        index = torch.arange(first + 1, scores.shape[1] + 1, device=scores.device, dtype=torch.float64)
         cap = (torch.floor(share * index) + self.BURST).long()
         w = torch.cumsum(wanted.long(), dim=1) + before[0]
         low = torch.cummin(cap - w, dim=1).values.clamp(max=before[1])
         ran = w + low  # runners so far
         runners = ran > F.pad(ran[:, :-1], (1, 0), value=before[0] + before[1])
-        return runners, torch.sigmoid(z - threshold), (w[:, -1], low[:, -1])
+        threshold = NormalDist().inv_cdf(1.0 - share) if share < 1 else -math.inf
+        p = torch.sigmoid(causal_standardize(scores)[:, first:] - threshold)
+        return runners, p, (w[:, -1], low[:, -1])
 
     def init_weights(self, init_std: float) -> None:
         nn.init.normal_(self.proj.weight, std=init_std)
@@ -463,14 +483,13 @@ class RecurrentCore(nn.Module):
         depth = self.depth
         share = depth.share(i)
         if state is None:
-            z = causal_standardize(depth.scores(h))
-            runners, p, _ = depth.choose(z, ran, share)
+            runners, p, _ = depth.choose(depth.scores(h), ran, share)
             k = depth.slots(h.shape[1], share)
             idx = torch.sort((~runners).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (B, k) runners first
         else:
             first = state.scores.length
-            z = causal_standardize(state.scores.append(depth.scores(h)))[:, first:]
-            runners, p, (wanted, low) = depth.choose(z, ran, share, first=first, before=state.admission)
+            scores = state.scores.append(depth.scores(h))
+            runners, p, (wanted, low) = depth.choose(scores, ran, share, first=first, before=state.admission)
             state.admission = (int(wanted[0]), int(low[0]))
             idx = runners.nonzero()[:, 1].unsqueeze(0)  # (1, k): the runners only
             k = idx.shape[1]
