@@ -63,7 +63,8 @@ def render(data: bytes, loops: list[int], starts: list[bool]) -> str:
     out, line, digits = [], [], []
     for byte, n, start in zip(data, loops, starts):
         if byte == 10:
-            out += ["".join(line), "".join(digits), ""]
+            if line:  # a blank line of the text adds nothing to read
+                out += ["".join(line), "".join(digits)]
             line, digits = [], []
             continue
         line.append(chr(byte) if 32 <= byte < 127 else ".")

@@ -156,6 +156,12 @@ RUNS = [
         "backprop), a learned step size per loop",
     ),
     Run(
+        "spider_tail_full",
+        SPIDER_CONFIG,
+        ("--model.loop_sampling", "tail", "--model.loop_step_size", "true"),
+        "spider_depth_tail's control: the same tail sampling and step sizes, every segment every loop",
+    ),
+    Run(
         "spider_invariant_full",
         SPIDER_CONFIG,
         INVARIANT_FULL,
