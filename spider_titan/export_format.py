@@ -7,7 +7,8 @@ block of config.json, and the tensor-name check.
 
 A quantized export (config.json ``quantization``) stores each quantized weight as the plain tensors of
 quantization/weight_only.py's flattening, with its description in the file's safetensors header;
-:func:`read_tensors` rebuilds them, so every reader sees the model's FQNs.
+:func:`read_tensors` rebuilds them with the reader's ``unflatten`` (weight_only.py's, handed in: this
+contract imports no technique), so every reader sees the model's FQNs.
 
 checkpoint/export.py writes an export and reads one back whole (``read_export``, for generation);
 the Hugging Face classes bundled into an export (hf/) read the model and the tensor names here too,
@@ -28,12 +29,12 @@ import safetensors
 import torch
 
 from spider_titan.protocol import ModelSpec
-from spider_titan.quantization.weight_only import is_torchao_header, stored_names, unflatten_quantized
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 REEXPORT = "re-export it with scripts/export_safetensors.py"
+TORCHAO_KEYS = "tensor_names"  # a safetensors header written by torchao's flattening has this key
 
 
 def read_model_block(model: Any, spec_of: Callable[[str], ModelSpec], where: object) -> tuple[ModelSpec, Any]:
@@ -115,8 +116,22 @@ def export_tensor_names(folder: Path) -> set[str] | None:
     return names
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an export folder under its FQN, quantized weights rebuilt (torchao's subclasses)."""
+def is_torchao_header(metadata: dict[str, str] | None) -> bool:
+    """Whether a safetensors header was written by torchao's flattening (a quantized export's file)."""
+    return bool(metadata) and TORCHAO_KEYS in metadata
+
+
+def stored_names(metadata: dict[str, str]) -> list[str]:
+    """The FQNs a file of a quantized export holds (its header's ``tensor_names``)."""
+    return list(json.loads(metadata[TORCHAO_KEYS]))
+
+
+def read_tensors(
+    folder: Path, unflatten: Callable[..., dict[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of an export folder under its FQN. A quantized export's files go through
+    ``unflatten(stored, metadata, where=file)`` (quantization/weight_only.py ``unflatten_quantized``,
+    which rebuilds torchao's subclasses); without it such a file is a ValueError."""
     files = weight_files(folder)
     if files is None:
         raise FileNotFoundError(f"{folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
@@ -124,7 +139,11 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     for file in files:
         with safetensors.safe_open(str(file), framework="pt") as f:
             metadata, stored = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}
-        tensors.update(unflatten_quantized(stored, metadata, where=file) if is_torchao_header(metadata) else stored)
+        if is_torchao_header(metadata):
+            if unflatten is None:
+                raise ValueError(f"{file}: a quantized export; load it with spider_titan.generation.load_model")
+            stored = unflatten(stored, metadata, where=file)
+        tensors.update(stored)
     return tensors
 
 

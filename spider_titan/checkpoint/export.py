@@ -95,6 +95,7 @@ from spider_titan.quantization.weight_only import (
     require_torchao,
     tensor_parts,
     torchao_header,
+    unflatten_quantized,
 )
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
@@ -585,7 +586,7 @@ def read_export_config(path: Path) -> dict[str, Any]:
 def load_export_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an export folder (one file, or the shards its index names), under its FQN;
     a quantized export's weights as torchao's tensors (export_format.read_tensors)."""
-    return read_tensors(Path(path))
+    return read_tensors(Path(path), unflatten_quantized)
 
 
 def _weights_file(path: Path, key: str | None = None) -> Path:

@@ -32,7 +32,7 @@ from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.decode import SpiderCache, decode, new_cache, unsupported
 from spider_titan.models.spider.model import SPIDER_SPEC, Spider
 from spider_titan.protocol import DTYPES, ModelSpec, lm_loss_mean
-from spider_titan.quantization.weight_only import load_quantized, read_method
+from spider_titan.quantization.weight_only import load_quantized, read_method, unflatten_quantized
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
 
@@ -114,7 +114,7 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         if not isinstance(device, (str, int, torch.device)):
             raise ValueError(f"{folder}: a quantized export loads onto one device; pass device_map='cpu' or 'cuda'")
         model = cls(config)
-        load_quantized(model.model, read_tensors(folder), method, dtype=saved, where=folder)
+        load_quantized(model.model, read_tensors(folder, unflatten_quantized), method, dtype=saved, where=folder)
         model = model.to(device=device, dtype=dtype).eval()
         return (model, {"missing_keys": [], "unexpected_keys": []}) if kwargs.get("output_loading_info") else model
 

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from spider_titan.export_format import TORCHAO_KEYS
+
 METHODS = ("int8", "int4")
 INT4_GROUP_SIZE = 32
-TORCHAO_KEYS = "tensor_names"  # a safetensors header written by torchao's flattening has this key
 PACKED_INT4 = "spider_titan_packed_int4"  # header key: JSON list of the data tensors stored two int4 per byte
 
 # Loggers that speak while torchao imports: its optional GPU extensions a CPU build lacks ("Failed to
@@ -168,16 +169,6 @@ def unflatten_quantized(
         tensors[key] = _unpack_int4(tensors[key])
     state, leftover = support.unflatten_tensor_state_dict(tensors, metadata)
     return {**state, **leftover}
-
-
-def is_torchao_header(metadata: dict[str, str] | None) -> bool:
-    """Whether a safetensors header was written by :func:`flatten_quantized`."""
-    return bool(metadata) and TORCHAO_KEYS in metadata
-
-
-def stored_names(metadata: dict[str, str]) -> list[str]:
-    """The FQNs a file written by :func:`flatten_quantized` holds (its header's ``tensor_names``)."""
-    return list(json.loads(metadata[TORCHAO_KEYS]))
 
 
 def quantization_block(method: str, quantized: list[str], kept: list[str], skipped: list[str]) -> dict[str, Any]:
