@@ -59,26 +59,30 @@ def test_fp8_tracks_high_precision_over_30_steps(tmp_path):
 # balancing modes ("both" is aux-loss and aux-free together), more loops than the default (a loop index
 # traced as a Python int would recompile once per loop), the 1B configs' recurrent AC (the load counts
 # are mutated inside its checkpoint), and static shapes (a segment capacity) beside counted segments.
+# The Triton case runs its kernels in Triton's interpreter, seconds a step: 8 steps (5 at 1e-5, the
+# acceptance of issue 39, and 3 more of drift); the torch case keeps 12.
 COMPILE_CASES = [
-    ("triton", "aux_loss", 2, "none", 0.0),
-    ("torch", "both", 3, "recurrent", 1.5),
+    ("triton", "aux_loss", 2, "none", 0.0, 8),
+    ("torch", "both", 3, "recurrent", 1.5, 12),
 ]
 
 
 @pytest.mark.parametrize(
-    "backend, balance, n_loops, ac, capacity", COMPILE_CASES, ids=["-".join(map(str, c)) for c in COMPILE_CASES]
+    "backend, balance, n_loops, ac, capacity, steps",
+    COMPILE_CASES,
+    ids=["-".join(map(str, c[:-1])) for c in COMPILE_CASES],
 )
-def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, capacity, tmp_path):
-    """Every block compiled with fullgraph=True (inductor on CPU), 12 steps whose segment counts vary
+def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, capacity, steps, tmp_path):
+    """Every block compiled with fullgraph=True (inductor on CPU), 8-12 steps whose segment counts vary
     batch to batch: no graph break, at most 2 recompiles, losses equal to eager within 1e-5 over the
-    first 5 steps (fp32) and within 1e-4 over all 12 (the drift of the optimizer steps)."""
+    first 5 steps (fp32) and within 1e-4 over all (the drift of the optimizer steps)."""
     args = [
         "--job.config_file",
         "train_configs/debug_model.toml",
         "--training.dataset",
         "mock",
         "--training.steps",
-        "12",
+        str(steps),
         "--training.seq_len",
         "96",
         "--training.local_batch_size",
@@ -115,6 +119,6 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
     sizes = {row["bytes_per_segment"] for row in read_metrics(tmp_path / "compiled") if "loss" in row}
     assert len(sizes) > 5  # the segment count really changed from step to step
     ref, got = train_losses_of(tmp_path / "eager"), train_losses_of(tmp_path / "compiled")
-    assert sorted(got) == list(range(1, 13))
+    assert sorted(got) == list(range(1, steps + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5 if step <= 5 else 1e-4), (step, ref, got)
