@@ -274,7 +274,8 @@ class Conversation:
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.model, self.n_loops = model, effective_loops(model, n_loops)
         self.max_len = model.args.max_seq_len
-        self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.decoder = _decoder(model, 1)
         self.reset()
 
@@ -304,10 +305,9 @@ class Conversation:
 
     def _next_logits(self) -> torch.Tensor:
         """The next byte's logits after every id so far; the decoder is fed only what it has not seen."""
-        device = next(self.model.parameters()).device
         if self.decoder is None:
             extra = {} if self.n_loops is None else {"n_loops": self.n_loops}
-            return self.model(torch.tensor([self.ids[-self.max_len :]], device=device), **extra).logits[0, -1]
-        new = torch.tensor([self.ids[self.fed :]], device=device)
+            return self.model(torch.tensor([self.ids[-self.max_len :]], device=self.device), **extra).logits[0, -1]
+        new = torch.tensor([self.ids[self.fed :]], device=self.device)
         self.fed = len(self.ids)
         return self.decoder.decode(self.model, new, self.cache)[0, -1]

@@ -395,14 +395,14 @@ class RecurrentCore(nn.Module):
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
         h = s.new_zeros(injected.shape) if h0 is None else h0.to(s.dtype)  # the state loop 0 receives
-        ran, shares, slots, depth = None, [], [], None  # under depth_capacity: the segments that ran the last loop
+        ran, shares, slots, segment_loops = None, [], [], None  # depth_capacity: who ran the last loop, ...
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
                 if self.depth is not None and i >= 1:
-                    if packed is not None:  # from here on the state lives in (B, S) rows
+                    if packed is not None:  # from here on the state and its inputs live in (B, S) rows
                         h, injected, packed = packed.pad(h), packed.pad(injected), None
-                    freqs, bucket_ids, seg_real = rows
+                        freqs, bucket_ids, seg_real = rows
                     ran = seg_real if ran is None else ran
                     h, aux_sum, counts, ran, k = self.routed_loop(
                         i,
@@ -421,7 +421,7 @@ class RecurrentCore(nn.Module):
                     )
                     shares.append(ran.sum() / seg_real.sum().clamp(min=1))
                     slots.append(k)
-                    depth = ran.long() + (seg_real.long() if depth is None else depth)
+                    segment_loops = ran.long() + (seg_real.long() if segment_loops is None else segment_loops)
                     continue
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count as a symbol (run_loop marks the state), so one graph serves every
@@ -455,7 +455,7 @@ class RecurrentCore(nn.Module):
             backprop_loops=grad_loops,
             loop_shares=shares,
             loop_slots=slots,
-            segment_loops=depth,
+            segment_loops=segment_loops,
         )
 
     def routed_loop(
