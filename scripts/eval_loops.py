@@ -4,6 +4,7 @@ difference to the first and the difference's standard error over the val windows
     python scripts/eval_loops.py --model RUN/export --loops 2,4                # built-in corpus
     python scripts/eval_loops.py --model RUN/export --data data/prose --loops 2,4 --json out.json
     python scripts/eval_loops.py --model RUN/export --loops 3,4 --depth_scale 1,2  # per-segment depth
+    python scripts/eval_loops.py --model RUN/export --loops trained,max          # n_loops, max_loops
 
 The counts are evaluated on the same bytes (the whole val split, as ``validation.steps = -1``), so
 their difference is measured far more precisely than either figure: the standard error is the
@@ -44,24 +45,38 @@ def window_losses(
     return torch.cat(ce), torch.cat(count)
 
 
+def parse_loops(spec: str, model_args) -> list[int]:
+    """'2,4' or 'trained,max' as loop counts of a model with these args (deduplicated, in order)."""
+    named = {"trained": model_args.n_loops, "max": model_args.max_loops}
+    try:
+        loops = list(dict.fromkeys(named[n] if n in named else int(n) for n in spec.split(",")))
+    except ValueError:
+        raise SystemExit(f"--loops {spec!r}: counts are integers, 'trained' or 'max'") from None
+    if len(loops) < 2:
+        raise SystemExit(f"--loops {spec!r}: give at least two different counts (the first is the reference)")
+    return loops
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="export folder, or a run / checkpoint folder")
     p.add_argument("--data", default=None, help="a bytes folder; default: the built-in corpus")
-    p.add_argument("--loops", default="2,4", help="comma-separated eval loop counts; the first is the reference")
+    p.add_argument(
+        "--loops",
+        default="2,4",
+        help="comma-separated eval loop counts, or 'trained' / 'max' (the model's n_loops / max_loops); the first "
+        "is the reference",
+    )
     p.add_argument("--depth_scale", default="1", help="per-segment depth: comma-separated scales of the loops' shares")
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda; fp32 either way")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
-    loops = [int(n) for n in args.loops.split(",")]
-    if len(loops) < 2:
-        raise SystemExit("--loops: give at least two counts (the first is the reference)")
-
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     model, _ = load_model(Path(args.model), device=device)
+    loops = parse_loops(args.loops, model.args)
     dataset = registry.get("dataset", "bytes" if args.data else "builtin")(args.data, split="val", seed=0)
     loader = ByteDataLoader(
         dataset, seq_len=args.seq_len, local_batch_size=args.batch, dp_rank=0, dp_world_size=1, seed=0

@@ -209,19 +209,34 @@ def read_metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def execute(cmd: list[str], log: Path, threads: int) -> None:
+class OutOfTime(RuntimeError):
+    """A run's command was stopped at the deadline (``execute``'s ``deadline``)."""
+
+
+def execute(cmd: list[str], log: Path, threads: int, deadline: float | None = None) -> None:
+    """Run ``cmd`` from the repository root, its output in ``log``; stopped (``OutOfTime``) at ``deadline``
+    (a ``time.time()``), when one is given."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    timeout = None if deadline is None else max(1.0, deadline - time.time())
     with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, check=False, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise OutOfTime(f"{' '.join(cmd[:4])} ... stopped at the deadline; see {log}") from None
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
 
 
-def flops_per_step(run: Run, out: Path, extra: list[str], probe_steps: int, threads: int) -> float:
+def flops_per_step(
+    run: Run, out: Path, extra: list[str], probe_steps: int, threads: int, deadline: float | None = None
+) -> float:
     """Training FLOPs of one step: measured by a probe for Spider, the formula for dense."""
     dump = out / f"probe_{run.name}"
     shutil.rmtree(dump, ignore_errors=True)
-    execute(train_cmd(run, dump, probe_steps, extra, val_freq=None), out / f"probe_{run.name}.log", threads)
+    cmd = train_cmd(run, dump, probe_steps, extra, val_freq=None)
+    execute(cmd, out / f"probe_{run.name}.log", threads, deadline)
     rows = [r for r in read_metrics(dump) if "train_flops" in r and "loss" in r]
     if not rows:
         raise RuntimeError(f"{dump}/metrics.jsonl has no train_flops: does spider_titan.train log them?")
@@ -234,10 +249,22 @@ def flops_per_step(run: Run, out: Path, extra: list[str], probe_steps: int, thre
     return (last["train_flops"] - first["train_flops"]) / (last["step"] - first["step"])
 
 
-def run_one(run: Run, args, extra: list[str]) -> dict:
-    out = Path(args.out)
+def eval_loops_cmd(run: Run, dump: Path, loops: str, data: str | None) -> list[str]:
+    """scripts/eval_loops.py on a run's export: at ``loops``, and for per-segment depth also at twice the
+    trained shares (test-time depth by capacity)."""
+    cmd = [sys.executable, "scripts/eval_loops.py", "--model", str(dump / "export"), "--loops", loops]
+    if "--model.depth_capacity" in run.overrides:
+        cmd += ["--depth_scale", "1,2"]
+    cmd += ["--json", str(dump / "eval_loops.json")]
+    return cmd + (["--data", str(Path(data).resolve())] if data else [])
+
+
+def run_one(run: Run, args, extra: list[str], out: Path | None = None, deadline: float | None = None) -> dict:
+    """Probe, train to the budget and evaluate ``run`` (dumps under ``out``, default ``args.out``); every
+    command is stopped at ``deadline`` (``OutOfTime``)."""
+    out = Path(args.out) if out is None else out
     budget = args.flops if run.name in ("spider", "dense") else args.ablation_flops or args.flops
-    per_step = flops_per_step(run, out, extra, args.probe_steps, args.threads)
+    per_step = flops_per_step(run, out, extra, args.probe_steps, args.threads, deadline)
     if args.length == "flops":  # the run spends the budget itself; the probe sets its cap and validations
         estimate = max(1, math.ceil(budget / per_step))
         steps = math.ceil(args.cap * estimate)
@@ -254,14 +281,12 @@ def run_one(run: Run, args, extra: list[str]) -> dict:
     shutil.rmtree(dump, ignore_errors=True)
     t0 = time.time()
     print(f"[{run.name}] {per_step:.3e} FLOPs/step -> {plan}, validation every {val_freq}", flush=True)
-    execute(train_cmd(run, dump, steps, extra + length, val_freq=val_freq), out / f"{run.name}.log", args.threads)
+    cmd = train_cmd(run, dump, steps, extra + length, val_freq=val_freq)
+    execute(cmd, out / f"{run.name}.log", args.threads, deadline)
     if args.eval_loops and run.config == SPIDER_CONFIG:
-        # Paired eval at two loop counts on the same val windows: the difference's standard error.
-        cmd = [sys.executable, "scripts/eval_loops.py", "--model", str(dump / "export"), "--loops", args.eval_loops]
-        cmd += ["--json", str(dump / "eval_loops.json")] + (
-            ["--data", str(Path(args.data).resolve())] if args.data else []
-        )
-        execute(cmd, out / f"{run.name}.eval_loops.log", args.threads)
+        # Paired eval at several depths on the same val windows: each difference's standard error.
+        cmd = eval_loops_cmd(run, dump, args.eval_loops, args.data)
+        execute(cmd, out / f"{run.name}.eval_loops.log", args.threads, deadline)
     print(f"[{run.name}] done in {time.time() - t0:.0f} s", flush=True)
     return load_result(run, dump, steps if args.length == "steps" else None)
 
@@ -272,16 +297,24 @@ def load_result(run: Run, dump: Path, steps: int | None = None) -> dict:
     metrics = read_metrics(dump)
     if steps is None:
         steps = max((m["step"] for m in metrics), default=0)
-    return {"run": run, "steps": steps, "metrics": metrics, "loops_paired": read_eval_loops(dump)}
+    return {"run": run, "steps": steps, "metrics": metrics, "test_time": read_eval_loops(dump)}
 
 
-def read_eval_loops(dump: Path) -> tuple[int, int, float, float] | None:
-    """(reference loops, last loops, bpb difference, its standard error) from eval_loops.json."""
+def read_eval_loops(dump: Path) -> list[dict]:
+    """The rows of the run's eval_loops.json (one per loop count and depth scale; the first is the
+    reference), or none."""
     path = dump / "eval_loops.json"
-    if not path.exists():
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def more_loops(rows: list[dict]) -> tuple[int, int, float, float] | None:
+    """(reference loops, most loops, bpb difference, its standard error) at the trained shares, from
+    eval_loops rows."""
+    plain = [r for r in rows if r.get("depth_scale", 1.0) == 1.0]
+    if len(plain) < 2:
         return None
-    rows = json.loads(path.read_text())
-    return rows[0]["n_loops"], rows[-1]["n_loops"], rows[-1]["diff_bpb"], rows[-1]["se_bpb"]
+    last = max(plain, key=lambda r: r["n_loops"])
+    return plain[0]["n_loops"], last["n_loops"], last["diff_bpb"], last["se_bpb"]
 
 
 def summarise(result: dict) -> dict:
@@ -305,7 +338,8 @@ def summarise(result: dict) -> dict:
         "eval_loops": last_v.get("val_mean_loops"),
         "load_min": last_t.get("expert_load_min"),
         "load_max": last_t.get("expert_load_max"),
-        "loops_paired": result.get("loops_paired"),
+        "loops_paired": more_loops(result.get("test_time") or []),
+        "test_time": result.get("test_time") or [],
         "curve": [(r["train_flops"], r["val_bpb"]) for r in val if "train_flops" in r],
         "bps_curve": [(r["step"], r.get("val_bytes_per_segment")) for r in val],
     }
@@ -409,9 +443,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--eval-loops",
-        default="2,4",
-        help="after each Spider run, scripts/eval_loops.py at these loop counts (paired difference of the "
-        "last to the first, with its standard error); empty: skip",
+        default="trained,max",
+        help="after each Spider run, scripts/eval_loops.py at these loop counts ('trained', 'max' or numbers; "
+        "the paired difference to the first, with its standard error; per-segment depth also at twice its "
+        "shares); empty: skip",
     )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")

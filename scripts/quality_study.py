@@ -11,6 +11,17 @@ A cell is ``SCALE/CORPUS:BUDGET:SEED=DIR[+DIR...][;SEED=DIR...]``: each DIR is a
 quality_benchmark.py (several folders of one seed are merged). A run counts only if its last validation
 came at the budget or later (a run stopped early is left out and named on stderr), so every figure is
 at equal training FLOPs.
+
+``--study depth`` runs a whole study instead, in one command with a deadline (issue 37: per-segment depth
+against the shipped model and fixed segments, debug and small, built-in corpus and prose, two seeds):
+
+    python scripts/quality_study.py --study depth --prose data/prose --out outputs/depth_study --minutes 8
+
+Its runs go side by side (``--jobs``; on a GPU they share it), each stopped at the deadline (left out and
+listed); it writes ``study.md`` (the tables, and the aims: per-segment depth within 0.005 bpb of the
+shipped model in every cell and better on the mean; eval at a higher test-time depth better than at the
+trained depth by 0.005 bpb) and ``study.json`` under ``--out``. ``--report-only`` rebuilds them from the
+runs already there.
 """
 
 from __future__ import annotations
@@ -19,11 +30,14 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
+from types import SimpleNamespace
 
-from quality_benchmark import RUNS, load_result, summarise
+from quality_benchmark import RUNS, OutOfTime, load_result, run_one, summarise
 
 ORDER = [r.name for r in RUNS]
 MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_stage_lr")
@@ -56,11 +70,17 @@ def parse_cell(spec: str) -> tuple[str, str, float, dict[int, list[Path]]]:
 
 
 def load_cell(spec: str) -> Cell:
-    scale, corpus, budget, dirs = parse_cell(spec)
+    return read_cell(*parse_cell(spec))
+
+
+def read_cell(scale: str, corpus: str, budget: float, dirs: dict[int, list[Path]]) -> Cell:
+    """The runs of one cell found in ``dirs`` (seed -> quality_benchmark.py output folders)."""
     cell = Cell(scale, corpus, budget)
     by_name = {r.name: r for r in RUNS}
     for seed, folders in dirs.items():
         for folder in folders:
+            if not folder.is_dir():
+                continue
             for dump in sorted(p for p in folder.iterdir() if p.is_dir() and p.name in by_name):
                 result = load_result(by_name[dump.name], dump)
                 if not result["metrics"]:
@@ -96,7 +116,7 @@ def tables(cells: list[Cell]) -> str:
     sep = "|" + "---|" * len(head)
     out = ["Val bpb (whole val split; mean over seeds, per seed in brackets):", "", "| " + " | ".join(head) + " |", sep]
     out += ["| " + " | ".join([n] + [bpb_cell(c.runs.get(n)) for c in cells]) + " |" for n in names]
-    out += ["", "Eval at 2x the trained loops minus at the trained loops, bpb (standard error), per seed:", ""]
+    out += ["", "Eval at max_loops minus at the trained loops, bpb (standard error), per seed:", ""]
     out += ["| " + " | ".join(head) + " |", sep]
     out += ["| " + " | ".join([n] + [paired_cell(c.runs.get(n)) for c in cells]) + " |" for n in names if n != "dense"]
     telemetry = []
@@ -147,17 +167,210 @@ def plot(cells: list[Cell], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+@dataclass(frozen=True)
+class Study:
+    """A study that ``--study`` runs whole: its cells (scale, corpus, FLOPs budget), seeds and runs, and
+    the candidate it judges against the baseline."""
+
+    cells: tuple[tuple[str, str, float], ...]
+    seeds: tuple[int, ...]
+    runs: tuple[str, ...]
+    baseline: str
+    candidate: str
+    margin: float = 0.005  # bpb: the candidate's allowance per cell, and the test-time depth gain asked
+
+
+STUDIES = {
+    "depth": Study(
+        cells=(
+            ("debug", "built-in", 1e13),
+            ("small", "built-in", 4e13),
+            ("debug", "prose", 1e13),
+            ("small", "prose", 4e13),
+        ),
+        seeds=(0, 1),
+        runs=("spider", "spider_fixed_segments", "spider_depth"),
+        baseline="spider",
+        candidate="spider_depth",
+    ),
+}
+
+
+def cell_dir(out: Path, scale: str, corpus: str, seed: int) -> Path:
+    """Where a study keeps one cell's runs of one seed (a quality_benchmark.py ``--out`` folder)."""
+    return out / f"{scale}_{corpus.replace('-', '')}_s{seed}"
+
+
+def run_study(study: Study, args) -> list[str]:
+    """Every (cell, seed, run) of ``study`` through quality_benchmark.run_one, ``args.jobs`` at a time, all
+    stopped at ``args.minutes`` after the start; the runs left unfinished, as 'cell seed run: why'."""
+    deadline = time.time() + 60 * args.minutes
+    by_name = {r.name: r for r in RUNS}
+    tasks = [(c, seed, name) for c in study.cells for seed in study.seeds for name in study.runs]
+    tasks.sort(key=lambda t: -t[0][2])  # the largest budgets first, so the short runs fill in behind them
+
+    def one(task) -> str | None:
+        (scale, corpus, budget), seed, name = task
+        data = args.prose if corpus == "prose" else None
+        out = cell_dir(Path(args.out), scale, corpus, seed)
+        out.mkdir(parents=True, exist_ok=True)
+        bench = SimpleNamespace(  # quality_benchmark.py's defaults, with the cell's budget and data
+            flops=budget, ablation_flops=None, length="flops", cap=1.5, margin=1.1,
+            val_points=args.val_points, eval_loops="trained,max", threads=args.threads, data=data, probe_steps=args.probe_steps,
+        )  # fmt: skip
+        extra = ["--training.dataset", "bytes", "--training.dataset_path", str(Path(data).resolve())] if data else []
+        extra += ["--model.flavor", scale, "--training.seed", str(seed)]
+        label = f"{scale}/{corpus} seed {seed} {name}"
+        try:
+            run_one(by_name[name], bench, extra, out=out, deadline=deadline)
+        except (OutOfTime, RuntimeError) as e:
+            print(f"[{label}] not finished: {e}", flush=True)
+            return f"{label}: {'out of time' if isinstance(e, OutOfTime) else 'failed'}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        return [m for m in pool.map(one, tasks) if m]
+
+
+def pooled(values: list[tuple[float, float]]) -> tuple[float, float]:
+    """Mean of per-seed paired differences and its standard error (independent seeds)."""
+    n = len(values)
+    return fmean(d for d, _ in values), math.sqrt(sum(se * se for _, se in values)) / n
+
+
+def test_time_options(by_seed: dict[int, dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per option of a higher test-time depth ('@4', '@3 x2 shares', ...): each seed's paired difference
+    to the trained depth (the first eval_loops row), with its standard error."""
+    options: dict[str, list[tuple[float, float]]] = {}
+    for s in by_seed.values():
+        rows = s.get("test_time") or []
+        for r in rows[1:]:
+            scale = r.get("depth_scale", 1.0)
+            key = f"@{r['n_loops']}" + ("" if scale == 1.0 else f" x{scale:g} shares")
+            options.setdefault(key, []).append((r["diff_bpb"], r["se_bpb"]))
+    return {k: v for k, v in options.items() if len(v) == len(by_seed)}
+
+
+def aims(cells: list[Cell], study: Study) -> str:
+    """The study's two aims per cell: (a) the candidate no worse than the baseline by ``margin`` in every
+    cell and better on the mean; (b) eval at a higher test-time depth better than at the trained depth by
+    ``margin``, with the pooled standard error under a third of that, in at least 3 of the 4 cells."""
+    m = study.margin
+    head = [
+        "cell",
+        f"{study.baseline}",
+        f"{study.candidate}",
+        "difference (a)",
+        "best higher test-time depth",
+        "gain (s.e.) (b)",
+        "(b) met",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    diffs, met_b = [], 0
+    for c in cells:
+        base, cand = c.runs.get(study.baseline, {}), c.runs.get(study.candidate, {})
+        seeds = sorted(set(base) & set(cand))
+        if not seeds:
+            lines.append(f"| {c.label} | {bpb_cell(base)} | {bpb_cell(cand)} | – | – | – | – |")
+            continue
+        d = fmean(cand[k]["val_bpb"] - base[k]["val_bpb"] for k in seeds)
+        diffs.append(d)
+        options = {k: pooled(v) for k, v in test_time_options({k: cand[k] for k in seeds}).items()}
+        if options:
+            best = min(options, key=lambda k: options[k][0])
+            gain, se = options[best]
+            ok = gain <= -m and se < m / 3
+            met_b += ok
+            tt = [best, f"{gain:+.4f} ({se:.4f})", "yes" if ok else f"no (short by {m + gain:.4f})"]
+        else:
+            tt = ["–", "–", "–"]
+        flag = "ok" if d <= m else f"over by {d - m:.4f}"
+        lines.append(
+            f"| {c.label} | {bpb_cell(base)} | {bpb_cell(cand)} | {d:+.4f} over {len(seeds)} seed(s), {flag} | "
+            + " | ".join(tt)
+            + " |"
+        )
+    out = [
+        f"Aims ({study.candidate} against {study.baseline}, paired by seed; a higher test-time depth is more "
+        "loops or twice the trained shares, against the trained depth on the same val windows):",
+        "",
+        *lines,
+    ]
+    if diffs:
+        ok_a = all(d <= m for d in diffs) and fmean(diffs) < 0 and len(diffs) == len(study.cells)
+        out += [
+            "",
+            f"- (a) mean difference over {len(diffs)} cell(s): {fmean(diffs):+.4f} bpb: "
+            + ("met" if ok_a else "not met"),
+            f"- (b) met in {met_b} of {len(study.cells)} cells (3 asked): " + ("met" if met_b >= 3 else "not met"),
+        ]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cell", action="append", required=True, help="SCALE/CORPUS:BUDGET:SEED=DIR[+DIR][;SEED=DIR]")
+    p.add_argument("--cell", action="append", default=[], help="SCALE/CORPUS:BUDGET:SEED=DIR[+DIR][;SEED=DIR]")
+    p.add_argument("--study", choices=sorted(STUDIES), default=None, help="run this whole study (see above)")
+    p.add_argument("--out", default="outputs/study", help="--study: the runs' folders, study.md and study.json")
+    p.add_argument("--prose", default=None, help="--study: the prose corpus (a bytes folder, scripts/html_to_prose.py)")
+    p.add_argument("--minutes", type=float, default=8.0, help="--study: stop every run this long after the start")
+    p.add_argument("--jobs", type=int, default=None, help="--study: runs at a time (default: 12 on a GPU, 2 on CPU)")
+    p.add_argument("--threads", type=int, default=1, help="--study: OMP threads per run")
+    p.add_argument("--seeds", default=None, help="--study: these seeds instead of the study's (e.g. 1)")
+    p.add_argument("--runs", default=None, help="--study: these runs instead of the study's (quality_benchmark names)")
+    p.add_argument(
+        "--budget_scale", type=float, default=1.0, help="--study: scale every budget (a quick dry run: 0.005)"
+    )
+    p.add_argument("--probe_steps", type=int, default=60, help="--study: steps of each run's FLOPs probe")
+    p.add_argument("--val_points", type=int, default=4, help="--study: validations per run (whole val split each)")
+    p.add_argument("--report-only", action="store_true", help="--study: tables from the runs already under --out")
     p.add_argument("--md", default=None, help="write the tables here")
     p.add_argument("--json", default=None, help="write every counted run's summary here")
     p.add_argument("--plot", default=None, help="write the picture here")
     args = p.parse_args(argv)
-    cells = [load_cell(spec) for spec in args.cell]
+    if bool(args.cell) == bool(args.study):
+        raise SystemExit("give --cell (tables from existing runs) or --study (run a whole study), not both")
+    study = STUDIES.get(args.study)
+    unfinished: list[str] = []
+    if study is not None:
+        study = replace(
+            study,
+            cells=tuple((scale, corpus, budget * args.budget_scale) for scale, corpus, budget in study.cells),
+            seeds=tuple(int(k) for k in args.seeds.split(",")) if args.seeds else study.seeds,
+            runs=tuple(args.runs.split(",")) if args.runs else study.runs,
+        )
+        unknown = set(study.runs) - {r.name for r in RUNS}
+        if unknown:
+            raise SystemExit(f"--runs: unknown {sorted(unknown)} (quality_benchmark.py --list)")
+        if args.prose is None and any(c[1] == "prose" for c in study.cells) and not args.report_only:
+            raise SystemExit(f"--study {args.study} has prose cells: give --prose DIR (scripts/html_to_prose.py)")
+        if args.prose is not None and not (Path(args.prose) / "train").is_dir():
+            raise SystemExit(f"--prose {args.prose}: not a bytes folder (no train/ inside)")
+        if args.jobs is None:
+            import torch
+
+            args.jobs = 12 if torch.cuda.is_available() else 2
+        out = Path(args.out)
+        args.md = args.md or str(out / "study.md")
+        args.json = args.json or str(out / "study.json")
+        if not args.report_only:
+            started = time.time()
+            unfinished = run_study(study, args)
+            print(f"study: {time.time() - started:.0f} s, {len(unfinished)} run(s) not finished", flush=True)
+        cells = [
+            read_cell(scale, corpus, budget, {seed: [cell_dir(out, scale, corpus, seed)] for seed in study.seeds})
+            for scale, corpus, budget in study.cells
+        ]
+    else:
+        cells = [load_cell(spec) for spec in args.cell]
     md = tables(cells)
+    if study is not None:
+        md += "\n\n" + aims(cells, study)
+        if unfinished:
+            md += "\n\nNot finished (left out):\n\n" + "\n".join(f"- {u}" for u in unfinished)
     print(md)
     if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(md + "\n")
     if args.json:
         dump = [
@@ -166,7 +379,9 @@ def main(argv: list[str] | None = None) -> None:
             for by_seed in c.runs.values()
             for seed, s in by_seed.items()
         ]
-        Path(args.json).write_text(json.dumps(dump, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"runs": dump, "unfinished": unfinished} if study else dump, indent=1) + "\n"
+        )
     if args.plot:
         plot(cells, Path(args.plot))
 

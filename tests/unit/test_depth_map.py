@@ -34,3 +34,26 @@ def test_the_map_gives_each_byte_its_segments_loops(monkeypatch):
     assert abs(sum(n >= 2 for n in segments) / len(segments) - share) < 1.5 / len(segments)
     text, digits = depth_map.render(data[:20], loops[:20], starts[:20]).split("\n")
     assert text == data[:20].decode() and all((d != "\u00b7") == s for d, s in zip(digits, starts[:20]))
+
+
+def test_the_picture_colours_each_byte_by_its_loops(monkeypatch, tmp_path):
+    """--png: one coloured cell per printable byte of each non-blank line, its colour the one of its loops
+    (a blank line is skipped; two bytes at the same depth share a colour, different depths do not)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    depth_map = importlib.import_module("depth_map")
+    data = b"ab\n\ncd"
+    loops, starts = [1, 3, 3, 3, 2, 2], [True, True, False, False, True, False]  # a b \n \n c d
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    depth_map.draw(data, loops, starts, tmp_path / "map.png", n_loops=3)
+    assert (tmp_path / "map.png").read_bytes()[:4] == b"\x89PNG"
+    cells = [p for p in figures[0].axes[0].patches if isinstance(p, Rectangle)]
+    assert [(int(c.get_x()), int(c.get_y())) for c in cells] == [(0, -1), (1, -1), (0, -2), (1, -2)]
+    colour = [tuple(c.get_facecolor()) for c in cells]  # a, b, c, d: loops 1, 3, 2, 2
+    assert colour[2] == colour[3] and len({colour[0], colour[1], colour[2]}) == 3

@@ -71,3 +71,106 @@ def test_every_benchmark_row_is_a_valid_config(monkeypatch):
     for run in runs:
         cfg = parse_args(["--job.config_file", run.config, *run.overrides])
         assert cfg.model.name in ("spider", "dense"), run.name
+
+
+def depth_run(folder, name, *, flops, bpb, options):
+    """A finished run with eval_loops rows: the trained depth first, then (loops, scale, diff, se) options."""
+    fake_run(folder, name, flops=flops, bpb=bpb)
+    rows = [{"n_loops": 3, "depth_scale": 1.0, "diff_bpb": 0.0, "se_bpb": 0.0}]
+    rows += [{"n_loops": n, "depth_scale": k, "diff_bpb": d, "se_bpb": se} for n, k, d, se in options]
+    (folder / name / "eval_loops.json").write_text(json.dumps(rows))
+
+
+def test_depth_study_aims_per_cell(main, tmp_path):
+    """--study depth --report-only: the candidate's difference to the baseline per cell (paired by seed), and
+    the best higher test-time depth pooled over seeds, judged against 0.005 bpb with s.e. under a third."""
+    import quality_study
+
+    study = quality_study.STUDIES["depth"]
+    good = [(4, 1.0, +0.001, 0.0002), (3, 2.0, -0.006, 0.0005)]  # twice the shares helps by 0.006
+    weak = [(4, 1.0, -0.002, 0.0002), (3, 2.0, +0.004, 0.0005)]
+    for i, (scale, corpus, budget) in enumerate(study.cells):
+        for seed in study.seeds:
+            d = quality_study.cell_dir(tmp_path, scale, corpus, seed)
+            fake_run(d, "spider", flops=budget, bpb=2.0 + seed)
+            # cell 0: 0.010 worse (over the allowance); the others 0.002 better
+            depth_run(
+                d,
+                "spider_depth",
+                flops=budget,
+                bpb=2.0 + seed + (0.010 if i == 0 else -0.002),
+                options=good if i < 3 else weak,
+            )
+    main(["--study", "depth", "--out", str(tmp_path), "--report-only"])
+    md = (tmp_path / "study.md").read_text()
+    assert (
+        "| debug, built-in | **2.500** (2.000 / 3.000) | **2.510** (2.010 / 3.010) | +0.0100 over 2 seed(s), over by 0.0050 |"
+        in md
+    )
+    assert "| @3 x2 shares | -0.0060 (0.0004) | yes |" in md  # sqrt(2 * 0.0005^2) / 2 = 0.00035
+    assert "| small, prose |" in md and "| @4 | -0.0020 (0.0001) | no (short by 0.0030) |" in md
+    assert "(a) mean difference over 4 cell(s): +0.0010 bpb: not met" in md
+    assert "(b) met in 3 of 4 cells (3 asked): met" in md
+    assert len(json.loads((tmp_path / "study.json").read_text())["runs"]) == 4 * 2 * 2
+
+
+def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, monkeypatch):
+    """--study runs each (cell, seed, run) once, with the cell's budget, flavor, seed and corpus, and a run
+    stopped at the deadline is listed, not counted."""
+    import quality_benchmark
+    import quality_study
+
+    prose = tmp_path / "prose"
+    (prose / "train").mkdir(parents=True)
+    calls = []
+
+    def fake_run_one(run, bench, extra, out, deadline):
+        calls.append((run.name, bench.flops, bench.data, tuple(extra), out.name))
+        assert deadline > 0
+        if run.name == "spider_fixed_segments" and "small" in extra:
+            raise quality_benchmark.OutOfTime("stopped at the deadline")
+        fake_run(out, run.name, flops=bench.flops, bpb=2.0)
+        return {}
+
+    monkeypatch.setattr(quality_study, "run_one", fake_run_one)
+    main(["--study", "depth", "--out", str(tmp_path / "o"), "--prose", str(prose), "--jobs", "2"])
+    assert len(calls) == 4 * 2 * 3
+    small_prose = [c for c in calls if "small" in c[3] and c[2] is not None]
+    assert {c[1] for c in small_prose} == {4e13} and all(str(prose.resolve()) in c[3] for c in small_prose)
+    assert {c[4] for c in calls} == {
+        f"{s}_{c}_s{k}" for s in ("debug", "small") for c in ("builtin", "prose") for k in (0, 1)
+    }
+    report = json.loads((tmp_path / "o" / "study.json").read_text())
+    assert sorted(report["unfinished"]) == sorted(
+        f"small/{c} seed {k} spider_fixed_segments: out of time" for c in ("built-in", "prose") for k in (0, 1)
+    )
+    assert len(report["runs"]) == 4 * 2 * 3 - 4
+
+
+def test_study_needs_its_prose_corpus(main, tmp_path):
+    with pytest.raises(SystemExit, match="give --prose DIR"):
+        main(["--study", "depth", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="not a bytes folder"):
+        main(["--study", "depth", "--out", str(tmp_path), "--prose", str(tmp_path)])
+
+
+def test_eval_loops_commands(monkeypatch):
+    """'trained' and 'max' name the model's loop counts; per-segment depth runs are also evaluated at twice
+    their shares."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from types import SimpleNamespace
+
+    qb = importlib.import_module("quality_benchmark")
+    eval_loops = importlib.import_module("eval_loops")
+    args = SimpleNamespace(n_loops=3, max_loops=4)
+    assert eval_loops.parse_loops("trained,max", args) == [3, 4]
+    assert eval_loops.parse_loops("2,trained,2", args) == [2, 3]
+    with pytest.raises(SystemExit, match="at least two different"):
+        eval_loops.parse_loops("trained,3", args)
+    with pytest.raises(SystemExit, match="integers, 'trained' or 'max'"):
+        eval_loops.parse_loops("trained,deep", args)
+    runs = {r.name: r for r in qb.RUNS}
+    depth = qb.eval_loops_cmd(runs["spider_depth"], Path("d"), "trained,max", None)
+    plain = qb.eval_loops_cmd(runs["spider"], Path("d"), "trained,max", "x")
+    assert depth[depth.index("--depth_scale") + 1] == "1,2" and "--depth_scale" not in plain
+    assert plain[-2:] == ["--data", str(Path("x").resolve())]
