@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -314,7 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="outputs/study", help="--study: the runs' folders, study.md and study.json")
     p.add_argument("--prose", default=None, help="--study: the prose corpus (a bytes folder, scripts/html_to_prose.py)")
     p.add_argument("--minutes", type=float, default=8.0, help="--study: stop every run this long after the start")
-    p.add_argument("--jobs", type=int, default=None, help="--study: runs at a time (default: 12 on a GPU, 2 on CPU)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="--study: runs at a time (default: all, at most 2 per CPU core, on a GPU; 2 on CPU)",
+    )
     p.add_argument("--threads", type=int, default=1, help="--study: OMP threads per run")
     p.add_argument("--seeds", default=None, help="--study: these seeds instead of the study's (e.g. 1)")
     p.add_argument("--runs", default=None, help="--study: these runs instead of the study's (quality_benchmark names)")
@@ -346,10 +352,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--study {args.study} has prose cells: give --prose DIR (scripts/html_to_prose.py)")
         if args.prose is not None and not (Path(args.prose) / "train").is_dir():
             raise SystemExit(f"--prose {args.prose}: not a bytes folder (no train/ inside)")
-        if args.jobs is None:
+        if args.jobs is None:  # on a GPU every run at once (their processes share it), else one per core
             import torch
 
-            args.jobs = 12 if torch.cuda.is_available() else 2
+            n_runs = len(study.cells) * len(study.seeds) * len(study.runs)
+            args.jobs = min(n_runs, 2 * (os.cpu_count() or 1)) if torch.cuda.is_available() else 2
         out = Path(args.out)
         args.md = args.md or str(out / "study.md")
         args.json = args.json or str(out / "study.json")
