@@ -338,6 +338,11 @@ def summarise(result: dict) -> dict:
         "eval_loops": last_v.get("val_mean_loops"),
         "load_min": last_t.get("expert_load_min"),
         "load_max": last_t.get("expert_load_max"),
+        # per-segment depth: the share of segments that ran each loop after the first (loop -> share)
+        "depth_shares_train": {int(k.rsplit("_", 1)[1]): v for k, v in last_t.items() if k.startswith("depth_share_")},
+        "depth_shares_eval": {
+            int(k.rsplit("_", 1)[1]): v for k, v in last_v.items() if k.startswith("val_depth_share_")
+        },
         "loops_paired": more_loops(result.get("test_time") or []),
         "test_time": result.get("test_time") or [],
         "curve": [(r["train_flops"], r["val_bpb"]) for r in val if "train_flops" in r],

@@ -109,7 +109,7 @@ def test_depth_study_aims_per_cell(main, tmp_path):
     )
     assert "| @3 x2 shares | -0.0060 (0.0004) | yes |" in md  # sqrt(2 * 0.0005^2) / 2 = 0.00035
     assert "| small, prose |" in md and "| @4 | -0.0020 (0.0001) | no (short by 0.0030) |" in md
-    assert "(a) mean difference over 4 cell(s): +0.0010 bpb: not met" in md
+    assert "(a) mean difference over 4 of 4 cells: +0.0010 bpb, not every cell within 0.005: not met" in md
     assert "(b) met in 3 of 4 cells (3 asked): met" in md
     assert len(json.loads((tmp_path / "study.json").read_text())["runs"]) == 4 * 2 * 2
 
@@ -174,3 +174,12 @@ def test_eval_loops_commands(monkeypatch):
     plain = qb.eval_loops_cmd(runs["spider"], Path("d"), "trained,max", "x")
     assert depth[depth.index("--depth_scale") + 1] == "1,2" and "--depth_scale" not in plain
     assert plain[-2:] == ["--data", str(Path("x").resolve())]
+
+
+def test_loops_histogram_from_the_shares_of_each_loop(monkeypatch):
+    """A loop runs only on segments that ran the one before, so the shares give the histogram."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    hist = importlib.import_module("quality_study").loops_histogram({2: 0.4, 3: 0.3})
+    assert hist == pytest.approx({1: 0.6, 2: 0.1, 3: 0.3}) and not importlib.import_module(
+        "quality_study"
+    ).loops_histogram({})
