@@ -136,6 +136,12 @@ RUNS = [
         "per-segment depth: 4 loops on shares 1, 1/2, 1/4, 1/4 of the segments (the core's FLOPs of 2 loops)",
     ),
     Run(
+        "spider_depth_no_exit1",
+        SPIDER_CONFIG,
+        ("--model.n_loops", "3", "--model.depth_capacity", "[1.0, 0.5, 0.25]"),
+        "per-segment depth with no exit after loop 1: every segment runs loops 1 and 2, the router picks half for loop 3",
+    ),
+    Run(
         "spider_depth_sampled",
         SPIDER_CONFIG,
         ("--model.n_loops", "3", "--model.depth_capacity", "[0.5, 0.5, 0.25]", "--model.depth_scale_range", "2"),
