@@ -419,7 +419,16 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_overrides(args) -> list[str]:
+    """The trainer overrides every run of one invocation shares: corpus, flavor and seed."""
+    data = (
+        ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
+    )
+    return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed)]
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line (documented by ``--help``); quality_study.py builds its runs' arguments with it."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -464,7 +473,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot-to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
     p.add_argument("--list", action="store_true", help="list the runs and exit")
     p.add_argument("--report-only", action="store_true", help="rebuild table and picture from existing dumps")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arg_parser().parse_args(argv)
     if args.list:
         for r in RUNS:
             print(f"{r.name:34} {r.what}  {' '.join(r.overrides)}")
@@ -474,10 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {list(by_name)}")
     runs = [by_name[n] for n in args.runs.split(",")]
-    extra = (
-        ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
-    )
-    extra += ["--model.flavor", args.flavor, "--training.seed", str(args.seed)]
+    extra = run_overrides(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -36,9 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
-from types import SimpleNamespace
 
-from quality_benchmark import RUNS, OutOfTime, load_result, run_one, summarise
+from quality_benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, run_overrides, summarise
 
 ORDER = [r.name for r in RUNS]
 MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_stage_lr")
@@ -230,12 +229,13 @@ def run_study(study: Study, args) -> list[str]:
         data = args.prose if corpus == "prose" else None
         out = cell_dir(Path(args.out), scale, corpus, seed)
         out.mkdir(parents=True, exist_ok=True)
-        bench = SimpleNamespace(  # quality_benchmark.py's defaults, with the cell's budget and data
-            flops=budget, ablation_flops=None, length="flops", cap=1.5, margin=1.1,
-            val_points=args.val_points, eval_loops="trained,max", threads=args.threads, data=data, probe_steps=args.probe_steps,
-        )  # fmt: skip
-        extra = ["--training.dataset", "bytes", "--training.dataset_path", str(Path(data).resolve())] if data else []
-        extra += ["--model.flavor", scale, "--training.seed", str(seed)]
+        bench = arg_parser().parse_args(  # quality_benchmark.py's own defaults, with the cell's budget and data
+            ["--flavor", scale, "--seed", str(seed), "--flops", str(budget), "--threads", str(args.threads)]
+            + ["--probe-steps", str(args.probe_steps), "--val-points", str(args.val_points)]
+            + ["--eval-loops", "trained,max"]
+            + (["--data", data] if data else [])
+        )
+        extra = run_overrides(bench)
         label = f"{scale}/{corpus} seed {seed} {name}"
         try:
             run_one(by_name[name], bench, extra, out=out, deadline=deadline)
