@@ -265,10 +265,11 @@ def eval_loops_cmd(run: Run, dump: Path, loops: str, data: str | None) -> list[s
     return cmd + (["--data", str(Path(data).resolve())] if data else [])
 
 
-def run_one(run: Run, args, extra: list[str], out: Path | None = None, deadline: float | None = None) -> dict:
+def run_one(run: Run, args, out: Path | None = None, deadline: float | None = None) -> dict:
     """Probe, train to the budget and evaluate ``run`` (dumps under ``out``, default ``args.out``); every
     command is stopped at ``deadline`` (``OutOfTime``)."""
     out = Path(args.out) if out is None else out
+    extra = run_overrides(args)
     budget = args.flops if run.name in ("spider", "dense") else args.ablation_flops or args.flops
     per_step = flops_per_step(run, out, extra, args.probe_steps, args.threads, deadline)
     if args.length == "flops":  # the run spends the budget itself; the probe sets its cap and validations
@@ -487,7 +488,6 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {list(by_name)}")
     runs = [by_name[n] for n in args.runs.split(",")]
-    extra = run_overrides(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
         results = [res for r in runs if (res := load_result(r, out / r.name))["metrics"]]
     else:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            results = list(pool.map(lambda r: run_one(r, args, extra), runs))
+            results = list(pool.map(lambda r: run_one(r, args), runs))
     summaries = [summarise(r) for r in results]
     md = table(summaries)
     (out / "quality.md").write_text(md + "\n")

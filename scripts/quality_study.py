@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
-from quality_benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, run_overrides, summarise
+from quality_benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, summarise
 
 ORDER = [r.name for r in RUNS]
 MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_stage_lr")
@@ -235,10 +235,9 @@ def run_study(study: Study, args) -> list[str]:
             + ["--eval-loops", "trained,max"]
             + (["--data", data] if data else [])
         )
-        extra = run_overrides(bench)
         label = f"{scale}/{corpus} seed {seed} {name}"
         try:
-            run_one(by_name[name], bench, extra, out=out, deadline=deadline)
+            run_one(by_name[name], bench, out=out, deadline=deadline)
         except (OutOfTime, RuntimeError) as e:
             print(f"[{label}] not finished: {e}", flush=True)
             return f"{label}: {'out of time' if isinstance(e, OutOfTime) else 'failed'}"

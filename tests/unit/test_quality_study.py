@@ -124,7 +124,8 @@ def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, mo
     (prose / "train").mkdir(parents=True)
     calls = []
 
-    def fake_run_one(run, bench, extra, out, deadline):
+    def fake_run_one(run, bench, out, deadline):
+        extra = quality_benchmark.run_overrides(bench)
         calls.append((run.name, bench.flops, bench.data, tuple(extra), out.name))
         assert deadline > 0
         if run.name == "spider_fixed_segments" and "small" in extra:
