@@ -6,8 +6,10 @@
 Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on mock data, one micro-batch of
 ``--batch`` x ``--seq`` bytes, no validation or checkpoints): ``dense_1b`` (bf16, activation checkpointing off),
 ``spider_1b`` (the shipped config: bf16, Triton MoE, recurrent AC, bucket 64), ``spider_1b_static`` (the
-same with ``model.segment_capacity``: static shapes, no host sync) and ``spider_1b_fp8`` (the float8
-converter; skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts
+same with ``model.segment_capacity``: static shapes, no host sync), ``spider_1b_graph`` (static, and the
+step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
+rows (static with more flags) and ``spider_1b_fp8`` (the float8 converter; skipped with the reason where
+torchao or the GPU cannot run it). Every Spider row starts
 at steady-state segmentation: before any timed step its boundary predictor's threshold is fitted to the
 target rate on the run's own first batch by the boundary loss alone (``warm_router``), so the timed steps
 see ~4 bytes per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
@@ -105,7 +107,17 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     dense_row = base + ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
     spider += args.extra.split()
     static = ["--model.segment_capacity", str(args.capacity)]
-    out = [("dense_1b", dense_row + dense), ("spider_1b", base + spider), ("spider_1b_static", base + spider + static)]
+    out = [
+        ("dense_1b", dense_row + dense),
+        ("spider_1b", base + spider),
+        ("spider_1b_static", base + spider + static),
+        ("spider_1b_graph", base + spider + static + ["--training.cuda_graph", "true"]),
+    ]
+    if not torch.cuda.is_available():  # a CUDA graph needs CUDA
+        out.pop()
+    for variant in args.variant:  # NAME=FLAGS: spider_1b_static with more flags
+        name, _, flags = variant.partition("=")
+        out.append((name, base + spider + static + flags.split()))
     if not args.no_fp8:
         out.append(("spider_1b_fp8", base + spider + ["--model.converters", "float8", "--float8.fallback", "error"]))
     return out
@@ -232,8 +244,18 @@ def profile_step(trainer, step: int) -> dict:
     top, per_range = Counter(), Counter()
     counts: dict = {}
     if cuda:
-        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+        on_gpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA]
+        # a named range also shows on the GPU timeline (a user annotation): its span, not a kernel
+        kernels = [e for e in on_gpu if not e.is_user_annotation()]
+        spans_ms = Counter()
+        for e in on_gpu:
+            if e.is_user_annotation() and _range_name(e.name()):
+                spans_ms[_range_name(e.name())] += e.duration_ns() / 1e6
+        counts = {"range_spans_ms": {k: round(v, 3) for k, v in sorted(spans_ms.items())}}
         launches = {e.correlation_id(): e.start_ns() for e in host if e.name().startswith(("cuda", "cu"))}
+        # what the host asked of the GPU: kernel and graph launches, copies and fills (one graph launch
+        # stands for all the kernels captured in it)
+        counts["host_launches"] = sum(e.name().startswith(HOST_LAUNCH) for e in host)
         spans = sorted((k.start_ns(), k.end_ns()) for k in kernels)
         busy, end = 0, -1
         for start, stop in spans:  # the union of the kernels' intervals
@@ -246,6 +268,7 @@ def profile_step(trainer, step: int) -> dict:
             for name in _containing(ranges, launched_at):
                 per_range[name] += k.duration_ns()
         launched, busy_fraction = len(kernels), round(busy / span, 3) if span else None
+        counts["step_gpu_ms"] = round(span / 1e6, 3)
     else:
         counts, ops = count_launches(host)
         for e in ops:
@@ -255,7 +278,7 @@ def profile_step(trainer, step: int) -> dict:
         launched, busy_fraction = counts.pop("launched"), None
     return {
         "launched": launched,
-        **({} if cuda else {"launch_parts": counts}),
+        **(counts if cuda else {"launch_parts": counts}),
         "busy_fraction": busy_fraction,
         "top": [(name, round(ns / 1e6, 3)) for name, ns in top.most_common(10)],
         "ranges_ms": {k: round(v / 1e6, 3) for k, v in sorted(per_range.items())},
@@ -271,6 +294,7 @@ def host_events(prof) -> list:
     )
 
 
+HOST_LAUNCH = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset")
 REGION_PREFIXES = ("Torch-Compiled Region", "CompiledFunctionBackward")
 # aten ops that launch no kernel on a GPU: views of the same memory and bare allocations
 NO_KERNEL = frozenset(
@@ -423,7 +447,7 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
                 result["profile"] = profile_step(trainer, args.warmup + args.steps + 1)
         result["recompiles"] = [m for m in recompiles.messages if m.startswith("Recompiling")]
         result["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        if "profile" in result and name.startswith("spider"):
+        if "profile" in result and name != "dense_1b":
             result["flops_share"] = flops_shares(run.model_args, cfg.training.seq_len, result.get("bytes_per_segment"))
     finally:
         if watch is not None:
@@ -466,10 +490,18 @@ def table(report: dict) -> str:
             continue
         lines += ["", f"**{name}**: time by part (ms) beside its FLOPs share; top kernels", ""]
         share = r.get("flops_share", {})
+        spans = p.get("range_spans_ms", {})  # CUDA: the range's span on the GPU timeline
         lines += [
-            f"- {k}: {v} ms" + (f", {100 * share[k]:.0f} % of FLOPs" if k in share else "")
+            f"- {k}: {v} ms"
+            + (f" of kernels in a {spans[k]} ms span" if k in spans else "")
+            + (f", {100 * share[k]:.0f} % of FLOPs" if k in share else "")
             for k, v in p["ranges_ms"].items()
         ]
+        if "step_gpu_ms" in p:
+            lines.append(
+                f"- the step on the GPU: {p['step_gpu_ms']} ms, {p['launched']} kernels, "
+                f"{p.get('host_launches', '-')} launches from the host"
+            )
         lines += [f"- `{k}`: {v} ms" for k, v in p["top"][:5]]
         if "launch_parts" in p:
             lines.append(f"- launches: {p['launch_parts']}")
@@ -496,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--extra", default="", help="more trainer flags for every Spider row, e.g. '--model.segment_bucket 0'"
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: one more row, spider_1b_static with FLAGS (repeatable), e.g. "
+        "'no_ac=--activation_checkpoint.mode none'",
+    )
     p.add_argument("--rows", default="", help="comma-separated rows to run (default: all)")
     p.add_argument("--budget_s", type=float, default=150.0, help="seconds a row may take, compile included (150)")
     args = p.parse_args(argv)
@@ -508,14 +547,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, overrides in rows(args):
         if chosen and name not in chosen:
             continue
-        report["rows"][name] = run_row(name, overrides, args)
+        try:
+            report["rows"][name] = run_row(name, overrides, args)
+        except Exception as e:  # noqa: BLE001 (a row that breaks mid-run, e.g. out of memory, is reported)
+            report["rows"][name] = {"skipped": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            logging.getLogger("spider_titan").exception("row %s failed", name)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))  # what finished survives a later crash
     rows_done = report["rows"]
     dense = rows_done.get("dense_1b", {}).get("bytes_per_s")
     ratios = {
         name: round(row["bytes_per_s"] / dense, 3)
         for name, row in rows_done.items()
-        if dense and name.startswith("spider") and "bytes_per_s" in row
+        if dense and name != "dense_1b" and "bytes_per_s" in row
     }
     if "spider_1b" in ratios:
         report["spider_over_dense_bytes_per_s"] = ratios["spider_1b"]

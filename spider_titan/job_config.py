@@ -161,6 +161,9 @@ class Training:
     shared by every loop, micro-batch and recompute (parallel/precision.py), not at every use."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before FSDP)."""
+    cuda_graph: bool = False
+    """Capture a step's forwards and backwards as one CUDA graph after two plain steps and replay it
+    (training/cuda_graph.py): one launch for thousands of kernels. One GPU, static shapes."""
     num_workers: int = ranged(0, low=0)
     """Data-loader worker processes per rank (0 = load in the training process)."""
 

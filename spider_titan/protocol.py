@@ -178,6 +178,9 @@ class ModelSpec:
                       converter (besides ``float8.filter_fqns``): the parts fp8 hurts or does not speed up
     quantize_keep_fqns: linears whose FQN contains one of these keep the export's dtype in an int8 / int4
                       export (quantization/weight_only.py); None: the model has no quantized export
+    graph_blockers:   ``args -> [reason, ...]``: why a training step's forward is not the same CUDA
+                      graph every step (a host read of a data-dependent size, a per-step host choice);
+                      ``training.cuda_graph`` refuses the run with them. None: nothing blocks
     """
 
     name: str
@@ -199,6 +202,7 @@ class ModelSpec:
     hf_modules: HFModules | None = None
     float8_skip_fqns: tuple[str, ...] = ()
     quantize_keep_fqns: tuple[str, ...] | None = None
+    graph_blockers: Callable[[Any], list[str]] | None = None
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""

@@ -38,9 +38,11 @@ from spider_titan.errors import WriteFailed, describe_failure
 from spider_titan.job_config import JobConfig
 from spider_titan.metrics.logger import setup_logging, shell_command
 from spider_titan.metrics.profiling import maybe_profile
+from spider_titan.moe.layer import MoE
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.mesh import destroy_process_groups
 from spider_titan.training.calibration import Calibrator
+from spider_titan.training.cuda_graph import StepGraph, graph_blockers
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.report import launch_command, log_end_block, log_start_block
@@ -156,13 +158,30 @@ class Trainer:
             val_tokens=self.validator.pass_tokens() if self.validator is not None else 0,
         )
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
+        self.step_graph = self._step_graph() if t.cuda_graph else None
         log_start_block(cfg, run, self.dump_folder)
 
     # ------------------------------------------------------------------ steps
 
+    def _step_graph(self) -> StepGraph:
+        """training.cuda_graph: the step's forwards and backwards as one graph; ValueError naming what
+        this run lacks for it."""
+        run = self.run
+        blockers = run.spec.graph_blockers(run.model_args) if run.spec.graph_blockers is not None else []
+        fp32_experts = run.autocast_dtype is None and any(isinstance(m, MoE) for m in run.model.modules())
+        missing = graph_blockers(
+            device=run.device, world_size=self.world_size, model_blockers=blockers, fp32_experts=fp32_experts
+        )
+        if missing:
+            raise ValueError("training.cuda_graph needs " + "; ".join(missing))
+        return StepGraph(self._forward_backward, run.model)
+
     def _autocast(self):
         dtype = self.run.autocast_dtype
-        return torch.autocast(self.run.device.type, dtype=dtype) if dtype is not None else nullcontext()
+        if dtype is None:
+            return nullcontext()
+        # a CUDA graph may not keep autocast's cached casts past its capture
+        return torch.autocast(self.run.device.type, dtype=dtype, cache_enabled=not self.cfg.training.cuda_graph)
 
     def _compute_weights(self):
         """The matmul weights cast once for everything inside (parallel/precision.py), when on."""
@@ -187,26 +206,19 @@ class Trainer:
             batches.append(tuple(t.to(device, non_blocking=True) for t in (inputs, labels, ids)))
         return batches
 
-    def train_step(
+    def _forward_backward(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], step: int
-    ) -> dict[str, torch.Tensor]:
-        """Optimizer step ``step`` over ``micro_batches``, its tokens and FLOPs counted and the learning
-        rate stepped; returns detached metrics (not yet reduced).
-
-        The LM loss is normalised by the number of non-ignored labels over all micro-batches and
-        ranks, so neither accumulation nor world size changes its scale: each rank backpropagates
-        ``ce_sum * dp / N_global`` and FSDP's gradient average over dp ranks divides by dp again.
-        Auxiliary losses are per-micro-batch means, averaged the same way.
-        """
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The forwards and backwards of a step's micro-batches (gradients accumulated in ``.grad``):
+        ``(ce_total, label_tokens, aux_totals)``, the labels counted over all ranks. What
+        ``training.cuda_graph`` captures."""
         run = self.run
         model = run.model
-        model.train()
         dp = run.parallel_dims.dp_degree
         accum = len(micro_batches)
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _ in micro_batches)
         label_tokens = all_reduce_sum(local_tokens.float())
         global_tokens = label_tokens.clamp(min=1.0)
-
         ce_total = torch.zeros((), device=run.device)
         aux_totals: dict[str, torch.Tensor] = {}
         with self._compute_weights():  # one cast per weight for every micro-batch's forward and backward
@@ -226,10 +238,28 @@ class Trainer:
                 ce_total += ce.detach()
                 for key, value in out.aux.items():
                     aux_totals[key] = aux_totals.get(key, 0) + value.detach().float() / accum
+        return ce_total, label_tokens, aux_totals
 
+    def train_step(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], step: int
+    ) -> dict[str, torch.Tensor]:
+        """Optimizer step ``step`` over ``micro_batches``, its tokens and FLOPs counted and the learning
+        rate stepped; returns detached metrics (not yet reduced).
+
+        The LM loss is normalised by the number of non-ignored labels over all micro-batches and
+        ranks, so neither accumulation nor world size changes its scale: each rank backpropagates
+        ``ce_sum * dp / N_global`` and FSDP's gradient average over dp ranks divides by dp again.
+        Auxiliary losses are per-micro-batch means, averaged the same way.
+        """
+        run = self.run
+        model = run.model
+        model.train()
+        fwd_bwd = self.step_graph if self.step_graph is not None else self._forward_backward
+        ce_total, label_tokens, aux_totals = fwd_bwd(micro_batches, step)
+        global_tokens = label_tokens.clamp(min=1.0)
         grad_norm = clip_grad_norm_(list(model.parameters()), self.cfg.training.max_norm)
         step_reports: dict[str, torch.Tensor] = {}
-        bad = self.health.record(step, ce_total / global_tokens * dp, grad_norm, label_tokens)
+        bad = self.health.record(step, ce_total / global_tokens * run.parallel_dims.dp_degree, grad_norm, label_tokens)
         if not self.health.skip_update(step, bad):  # reads ``bad`` only with training.skip_nonfinite_steps
             run.optimizer.step()
             for hook in run.post_step_hooks:

@@ -38,12 +38,17 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
         "--steps",
         "1",
         "--no_fp8",
+        "--variant",
+        "no_ac=--activation_checkpoint.mode none",
     ]
     assert bench_gpu.main([*argv, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_1b.json").read_text())
     table = (tmp_path / "gpu_1b.md").read_text()
     rows = report["rows"]
-    assert set(rows) == {"dense_1b", "spider_1b", "spider_1b_static"}
+    assert set(rows) == {"dense_1b", "spider_1b", "spider_1b_static", "no_ac"}
+    # a variant is spider_1b_static with its flags
+    variant = (tmp_path / "no_ac" / "config.toml").read_text()
+    assert 'mode = "none"' in variant and "segment_capacity = 1.5" in variant, variant
     for name in rows:
         row = rows[name]
         assert row["bytes_per_s"] > 0 and row["tflops"] > 0 and row["profile"]["launched"] > 0, (name, row)
@@ -57,7 +62,7 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     ), ranges
     assert abs(sum(spider["flops_share"].values()) - 1.0) < 0.02, spider["flops_share"]
     assert report["spider_over_dense_bytes_per_s"] > 0
-    assert set(report["over_dense_bytes_per_s"]) == {"spider_1b", "spider_1b_static"}
+    assert set(report["over_dense_bytes_per_s"]) == {"spider_1b", "spider_1b_static", "no_ac"}
     assert "spider_1b_static / dense_1b bytes/s:" in table
     # static shapes: at steady state (4 bytes per segment) capacity 1.5 drops nothing
     assert rows["spider_1b_static"]["segments_dropped"] == 0.0 and "segments_dropped" not in spider

@@ -250,6 +250,18 @@ def spider_moe_tokens_per_byte(args: SpiderArgs) -> float:
     return 1.0 / args.target_bytes_per_segment
 
 
+def spider_graph_blockers(a: SpiderArgs) -> list[str]:
+    """What keeps a Spider training step from being one CUDA graph (training.cuda_graph)."""
+    reasons = []
+    if a.segment_capacity <= 0:
+        reasons.append("model.segment_capacity > 0 (static shapes: without it the forward reads the segment count)")
+    if a.loop_sampling != "fixed":
+        reasons.append(f"model.loop_sampling 'fixed' (it is {a.loop_sampling!r}: the loop count is drawn per step)")
+    if a.depth_capacity and a.depth_scale_range > 1:
+        reasons.append("model.depth_scale_range 1 (the depth shares are drawn per step)")
+    return reasons
+
+
 SPIDER_SPEC = ModelSpec(
     name="spider",
     args_cls=SpiderArgs,
@@ -264,6 +276,7 @@ SPIDER_SPEC = ModelSpec(
     added_args=SPIDER_ADDED_ARGS,
     retired_args=SPIDER_RETIRED_ARGS,
     calibrate=calibrate_extra_loops,
+    graph_blockers=spider_graph_blockers,
     decoder="spider_titan.models.spider.decode",
     effective_loops=effective_loops,
     hf_modules=HFModules(

@@ -25,7 +25,7 @@ from spider_titan.moe.kernels.cast import round_to
 from spider_titan.moe.kernels.launch import tile_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # R changes with the segment count: one compile serves every R
 def _expand_kernel(
     x_ptr,
     pos_to_token_ptr,

@@ -25,7 +25,7 @@ from spider_titan.moe.kernels.cast import round_to
 from spider_titan.moe.kernels.launch import tile_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T changes with the segment count: one compile serves every T
 def _reduce_kernel(
     y_exp_ptr,
     slot_to_pos_ptr,
@@ -53,7 +53,7 @@ def _reduce_kernel(
         tl.store(out_ptr + toks[:, None] * D + cols[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _weight_grad_kernel(
     y_exp_ptr,
     dy_ptr,

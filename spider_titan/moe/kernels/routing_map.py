@@ -30,7 +30,7 @@ from spider_titan.moe.base import RoutingMap, max_rows
 from spider_titan.moe.kernels.launch import routing_map_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # N and n_blocks change with the segment count
 def _block_histogram_kernel(idx_ptr, hist_ptr, N, E, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     b = tl.program_id(0)
     slots = b * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
@@ -40,7 +40,7 @@ def _block_histogram_kernel(idx_ptr, hist_ptr, N, E, BLOCK: tl.constexpr, E_PAD:
     tl.store(hist_ptr + b * E + experts, tl.sum(onehot, 0), mask=experts < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _segment_offsets_kernel(
     hist_ptr, block_base_ptr, counts_ptr, seg_start_ptr, offs_ptr, n_blocks, E, align, E_PAD: tl.constexpr
 ):
@@ -58,7 +58,7 @@ def _segment_offsets_kernel(
     tl.store(offs_ptr + experts, seg_end, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _scatter_positions_kernel(
     idx_ptr,
     block_base_ptr,
