@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from spider_titan.training.cuda_graph import FORWARD_BACKWARD
 from spider_titan.vocab import PAD_ID
 
 CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "spider_1b.toml"
@@ -271,6 +272,10 @@ def profile_step(trainer, step: int) -> dict:
         counts["step_gpu_ms"] = round(span / 1e6, 3)
     else:
         counts, ops = count_launches(host)
+        # training.cuda_graph replays the forward-backward range as one graph: what the host would still
+        # launch is the ops outside it, the graph, each micro-batch's three input copies and one output copy
+        outside = counts["outside_forward_backward"] = outside_forward_backward(host, ops)
+        counts["with_cuda_graph"] = outside + 1 + 3 * len(batches) + 1
         for e in ops:
             top[e.name()] += e.duration_ns()
         for start, stop, name in ranges:
@@ -346,6 +351,13 @@ def count_launches(host: list) -> tuple[dict, list]:
                     inside, outside = inside + in_region, outside + (not in_region)
             stack.append((e.end_ns(), "op"))
     return {"launched": outside + inside, "outside": outside, "inside": inside, "regions": regions}, counted
+
+
+def outside_forward_backward(host: list, ops: list) -> int:
+    """How many of the counted ``ops`` (:func:`count_launches`) ran outside the step's forward-backward
+    range: what the host still launches when ``training.cuda_graph`` replays that range as one graph."""
+    spans = [(e.start_ns(), e.end_ns()) for e in host if e.name() == FORWARD_BACKWARD]
+    return sum(not any(a <= e.start_ns() <= b for a, b in spans) for e in ops)
 
 
 def _range_name(name: str) -> str | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from spider_titan.checkpoint import build_checkpointer
 from spider_titan.checkpoint.export import check_export_target, export_command
@@ -42,7 +43,7 @@ from spider_titan.moe.layer import MoE
 from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.mesh import destroy_process_groups
 from spider_titan.training.calibration import Calibrator
-from spider_titan.training.cuda_graph import StepGraph, graph_blockers
+from spider_titan.training.cuda_graph import FORWARD_BACKWARD, StepGraph, graph_blockers
 from spider_titan.training.health import NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.report import launch_command, log_end_block, log_start_block
@@ -255,7 +256,8 @@ class Trainer:
         model = run.model
         model.train()
         fwd_bwd = self.step_graph if self.step_graph is not None else self._forward_backward
-        ce_total, label_tokens, aux_totals = fwd_bwd(micro_batches, step)
+        with record_function(FORWARD_BACKWARD):  # what training.cuda_graph replays (scripts/bench_gpu.py counts it)
+            ce_total, label_tokens, aux_totals = fwd_bwd(micro_batches, step)
         global_tokens = label_tokens.clamp(min=1.0)
         grad_norm = clip_grad_norm_(list(model.parameters()), self.cfg.training.max_norm)
         step_reports: dict[str, torch.Tensor] = {}

@@ -24,9 +24,32 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+FORWARD_BACKWARD = "train.forward_backward"  # the profiler range of what the graph replays
 WARMUP_STEPS = 2  # plain steps before the capture: the first compiles, the second meets what the first left
 Batches = list[tuple[torch.Tensor, ...]]
 Outputs = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+Layout = tuple[list[torch.Size], list[str]]  # the outputs' shapes, and the aux keys in order
+
+
+def flatten_outputs(outputs: Outputs) -> tuple[torch.Tensor, Layout]:
+    """``(ce_total, label_tokens, aux_totals)`` as one flat fp32 tensor (one copy per step reads them
+    all), and the layout :func:`unflatten_outputs` takes them apart by."""
+    ce, tokens, aux = outputs
+    parts = [ce, tokens, *aux.values()]
+    flat = torch.cat([t.detach().float().reshape(-1) for t in parts])
+    return flat, ([t.shape for t in parts], list(aux))
+
+
+def unflatten_outputs(flat: torch.Tensor, layout: Layout) -> Outputs:
+    """The outputs of :func:`flatten_outputs` again, as views of ``flat``."""
+    shapes, keys = layout
+    parts, at = [], 0
+    for shape in shapes:
+        parts.append(flat[at : at + shape.numel()].view(shape))
+        at += shape.numel()
+    return parts[0], parts[1], dict(zip(keys, parts[2:]))
 
 
 def graph_blockers(
@@ -58,7 +81,8 @@ class StepGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
         self.inputs: Batches = []
-        self.outputs: Outputs | None = None
+        self.flat = torch.empty(0)  # the graph's outputs, flat: (ce_total, label_tokens, *aux_totals)
+        self.layout: Layout = ([], [])
         self.grads: list[torch.Tensor | None] = []
 
     def __call__(self, micro_batches: Batches, step: int) -> Outputs:
@@ -78,8 +102,7 @@ class StepGraph:
         self.graph.replay()
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        ce, tokens, aux = self.outputs
-        return ce.clone(), tokens.clone(), {k: v.clone() for k, v in aux.items()}
+        return unflatten_outputs(self.flat.clone(), self.layout)  # one copy: the next replay overwrites them
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -102,7 +125,7 @@ class StepGraph:
         try:
             # thread_local: the data loader's pinning thread may use CUDA while this thread captures
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                self.outputs = self.forward_backward(self.inputs, step)
+                self.flat, self.layout = flatten_outputs(self.forward_backward(self.inputs, step))
         except RuntimeError as e:
             raise RuntimeError(
                 f"training.cuda_graph: the step could not be captured as one CUDA graph ({e}); "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spider_titan.models.spider.model import SPIDER_SPEC, spider_graph_blockers
-from spider_titan.training.cuda_graph import graph_blockers
+from spider_titan.training.cuda_graph import flatten_outputs, graph_blockers, unflatten_outputs
 from tests.utils import check_ok, run_train, train_losses
 
 BASE = [
@@ -57,6 +57,17 @@ def test_the_blockers_name_every_per_step_host_choice():
     assert "one process" in graph_blockers(device=torch.device("cuda"), world_size=2, model_blockers=[])[0]
     fp32 = graph_blockers(device=torch.device("cuda"), world_size=1, model_blockers=[], fp32_experts=True)
     assert len(fp32) == 1 and "bfloat16" in fp32[0]
+
+
+def test_the_outputs_travel_as_one_flat_copy_and_come_back_whole():
+    aux = {"bytes_per_segment": torch.tensor(3.9), "loops": torch.tensor([0.5, 0.25, 0.25]), "n": torch.tensor(7.0)}
+    outputs = (torch.tensor(12.5), torch.tensor(256.0), aux)
+    flat, layout = flatten_outputs(outputs)
+    assert flat.shape == (7,) and flat.dtype == torch.float32
+    ce, tokens, back = unflatten_outputs(flat.clone(), layout)
+    assert ce.item() == 12.5 and tokens.item() == 256.0 and list(back) == list(aux)
+    for key in aux:
+        assert torch.equal(back[key], aux[key]), key
 
 
 @pytest.mark.gpu
