@@ -11,27 +11,11 @@ import torch
 
 from spider_titan.models.spider.model import SPIDER_SPEC, spider_graph_blockers
 from spider_titan.training.cuda_graph import flatten_outputs, graph_blockers, unflatten_outputs
-from tests.utils import check_ok, run_train, train_losses
+from tests.utils import TINY_SPIDER, check_ok, run_train, train_losses
 
-BASE = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.dataset",
-    "mock",
-    "--training.steps",
-    "6",
-    "--training.seq_len",
-    "256",
-    "--metrics.log_freq",
-    "1",
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--checkpoint.export_at_end",
-    "false",
-    "--model.segment_capacity",
-    "1.5",
+BASE = TINY_SPIDER + [
+    *("--training.seq_len", "256", "--training.local_batch_size", "8", "--training.steps", "6"),
+    *("--checkpoint.export_at_end", "false", "--model.segment_capacity", "1.5"),
 ]
 
 
