@@ -114,10 +114,13 @@ def test_spider_1b_reads_only_the_segment_count(tmp_path, in_process):
     assert files[SEGMENT_COUNT] == micro_batches == 4
 
 
-def test_spider_1b_with_a_segment_capacity_reads_nothing(tmp_path, in_process):
-    """``model.segment_capacity`` (static shapes): not even the segment count is read back."""
-    sites, micro_batches, _ = count_one_step("spider_1b.toml", tmp_path / "run", ("--model.segment_capacity", "1.5"))
-    print("\nspider_1b with segment_capacity 1.5, syncs in one step:", dict(sites))
+@pytest.mark.parametrize("packed", [(), ("--model.packed_capacity", "1.2")], ids=["slots", "packed"])
+def test_spider_1b_with_a_segment_capacity_reads_nothing(tmp_path, in_process, packed):
+    """``model.segment_capacity`` (static shapes), on every slot or packed into a fixed number of
+    positions (``packed_capacity``): not even the segment count is read back."""
+    overrides = ("--model.segment_capacity", "1.5", *packed)
+    sites, micro_batches, _ = count_one_step("spider_1b.toml", tmp_path / "run", overrides)
+    print("\nspider_1b with", overrides, "syncs in one step:", dict(sites))
     assert set(by_file(sites)) <= {CPU_ONLY_CHECK}, sites
 
 

@@ -5,6 +5,8 @@ that counted the (B, S) padding would be off by more than the tolerance)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from spider_titan.models.spider import spider_flops_per_byte
@@ -34,6 +36,56 @@ def test_packed_rows_pack_and_unpack():
     assert p.pack(x).flatten().tolist() == [0.0, 1.0, 3.0]
     assert p.pad(p.pack(x)).flatten().tolist() == [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
     assert p.unpack(-p.pack(x), x).flatten().tolist() == [0.0, -1.0, 2.0, -3.0, 4.0, 5.0]
+
+
+def test_fixed_packed_rows_fill_with_a_spare_slot_and_drop_from_the_batch_end():
+    """``PackedRows.fixed``: a static N. Past the real slots it packs zeros from a spare slot that unpacks
+    nowhere (no real slot is written twice, no gradient reaches it); short of them it keeps the first
+    N in flat order, so a drop takes the batch's last segments."""
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    x = torch.arange(1.0, 7.0).view(2, 3, 1).requires_grad_()
+    roomy = PackedRows.fixed(valid, 5)
+    assert roomy.index.tolist() == [0, 1, 3, 6, 6] and torch.equal(roomy.valid, valid)
+    packed = roomy.pack(x)
+    assert packed.flatten().tolist() == [1.0, 2.0, 4.0, 0.0, 0.0]
+    assert roomy.pad(packed * 10).flatten().tolist() == [10.0, 20.0, 0.0, 40.0, 0.0, 0.0]
+    assert roomy.unpack(-packed, x).flatten().tolist() == [-1.0, -2.0, 3.0, -4.0, 5.0, 6.0]
+    (packed * torch.arange(1.0, 6.0).view(1, 5, 1)).sum().backward()
+    assert x.grad.flatten().tolist() == [1.0, 2.0, 0.0, 3.0, 0.0, 0.0]  # the spare positions reach nothing
+    tight = PackedRows.fixed(valid, 2)
+    assert tight.index.tolist() == [0, 1] and tight.valid.tolist() == [[True, True, False], [False, False, False]]
+
+
+def test_a_packed_capacity_computes_what_the_counted_packing_does(monkeypatch):
+    """``packed_capacity`` (static N) with room for every segment: the same logits as the counted
+    packing (host N) on ragged rows, and ``aux["flops_per_byte"]`` charges the N packed positions
+    (FlopCounterMode within 3 %); a tight one drops segments and says so."""
+    ids = ragged_ids()
+    segment = Chunker.segment
+    monkeypatch.setattr(
+        Chunker,
+        "segment",
+        lambda self, logits, input_ids, **kw: segment(
+            self, logits + torch.where(input_ids == ord(" "), 1e3, -1e3), input_ids, **kw
+        ),
+    )
+    outputs = {}
+    for name, overrides in {
+        "counted": {},
+        "roomy": {"segment_capacity": 4.0, "packed_capacity": 3.0},
+        "tight": {"segment_capacity": 4.0, "packed_capacity": 0.5},
+    }.items():
+        torch.manual_seed(0)
+        model = Spider(dataclasses.replace(SPIDER_FLAVORS["debug"], **overrides))
+        model.init_weights()
+        if name == "roomy":
+            measured, aux = measured_train_flops(model, ids)
+            predicted = aux["flops_per_byte"].item() * ids.numel()
+            assert abs(predicted / measured - 1) < 0.03, (predicted, measured)
+        outputs[name] = model(ids)
+    torch.testing.assert_close(outputs["roomy"].logits, outputs["counted"].logits, rtol=1e-5, atol=1e-5)
+    assert outputs["roomy"].aux["segments_dropped"].item() == 0.0
+    assert outputs["tight"].aux["segments_dropped"].item() > 0.1, outputs["tight"].aux["segments_dropped"]
 
 
 def test_packed_flops_match_flop_counter_on_ragged_rows(monkeypatch):

@@ -112,6 +112,10 @@ class SpiderArgs:
     """> 0: static shapes, no host sync: every row has ``ceil(segment_capacity * T / target_bytes_per_segment)``
     segment slots and the core runs on them all; a row's segments past them are dropped (its bytes there
     read no core output; ``aux.segments_dropped``). 0: the core runs on the batch's counted segments."""
+    packed_capacity: float = ranged(0.0, low=0)
+    """> 0, with ``segment_capacity``: the core's projections and experts run on the batch's segments packed
+    into ``ceil(packed_capacity * B * T / target_bytes_per_segment)`` positions (a static shape, sized by
+    the batch rather than by its densest row); segments past them are dropped from the batch's end."""
 
     # ---- loss weights
     moe_aux_coeff: float = ranged(0.01, low=0)
@@ -165,6 +169,8 @@ class SpiderArgs:
                 f"boundary_dim: {self.boundary_dim} must be at most dim ({self.dim}); a projection wider than its "
                 "input adds FLOPs and nothing else"
             )
+        if self.packed_capacity and not self.segment_capacity:
+            out.append("packed_capacity: packs the slots of segment_capacity, which is 0 (set both, or neither)")
         if self.depth_capacity:
             if len(self.depth_capacity) != self.max_loops - 1:
                 out.append(
@@ -214,6 +220,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_band_upper": 1.0,
     "boundary_dim": 0,
     "segment_capacity": 0.0,
+    "packed_capacity": 0.0,
     "depth_capacity": [],
     "depth_scale_range": 1.0,
 }

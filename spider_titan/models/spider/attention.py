@@ -36,23 +36,41 @@ Adapter = Callable[[torch.Tensor], torch.Tensor]
 
 class PackedRows(NamedTuple):
     """Where the N positions of a packed row sit in a padded (B, S) batch: ``index`` (N,) int64, flat
-    slots ``b * S + s`` in increasing order; ``valid`` (B, S) bool, True at those slots."""
+    slots ``b * S + s`` in increasing order; ``valid`` (B, S) bool, True at those slots. ``spare``: a
+    fixed N (:meth:`fixed`), whose positions past the real ones are ``index = B * S``, a spare zero slot
+    after the batch that packs as zeros and unpacks nowhere."""
 
     index: torch.Tensor
     valid: torch.Tensor
+    spare: bool = False
 
     @classmethod
     def of(cls, valid: torch.Tensor, count: int) -> PackedRows:
         """From the (B, S) mask and its number of True slots (a host int: no sync here)."""
         return cls(torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1), valid)
 
+    @classmethod
+    def fixed(cls, valid: torch.Tensor, size: int) -> PackedRows:
+        """The first ``size`` True slots of the (B, S) mask in flat order, and spare positions if it has
+        fewer (a static shape; no host read); ``valid`` then marks the slots packed."""
+        flat = valid.reshape(-1)
+        index = torch.nonzero_static(flat, size=size, fill_value=flat.numel()).squeeze(1)
+        kept = torch.zeros(flat.numel() + 1, dtype=torch.bool, device=valid.device).index_fill(0, index, True)
+        return cls(index, kept[:-1].view_as(valid), True)
+
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (B * S, ...), with the spare zero slot after it when there is one."""
+        flat = x.flatten(0, 1)
+        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])]) if self.spare else flat
+
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (1, N, ...)"""
-        return x.flatten(0, 1).index_select(0, self.index).unsqueeze(0)
+        return self._flat(x).index_select(0, self.index).unsqueeze(0)
 
     def unpack(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) -> (B, S, ...): ``into`` (B, S, ...) with its valid slots replaced by x (out of place)."""
-        return into.flatten(0, 1).index_copy(0, self.index, x.squeeze(0)).view_as(into)
+        out = self._flat(into).index_copy(0, self.index, x.squeeze(0))
+        return (out[:-1] if self.spare else out).view_as(into)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) -> (B, S, ...), zeros in the padding."""

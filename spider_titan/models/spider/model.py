@@ -29,6 +29,7 @@ identity, so at the start the coda reads only the core's output; ``lm_head`` tru
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -142,8 +143,13 @@ class Spider(nn.Module):
             seg = chunker.segment(logits, input_ids, bucket=a.segment_bucket, capacity=capacity)
             S = seg.num_segments
             chunks, bucket_ids = chunker.pool(x, seg), chunker.engram_ids(input_ids, seg)  # (B, S, dim), (B, S, 2)
-            # the core runs on the real segments packed into one row, or under a capacity on every slot
-            packed = None if capacity else PackedRows.of(seg.seg_valid, seg.total_segments)
+            # the core runs on the real segments packed into one row; under a capacity on every slot, or
+            # on a fixed number of packed positions (packed_capacity)
+            pack_size = math.ceil(a.packed_capacity * B * T / a.target_bytes_per_segment) if capacity else 0
+            if not capacity:
+                packed = PackedRows.of(seg.seg_valid, seg.total_segments)
+            else:
+                packed = PackedRows.fixed(seg.seg_valid, pack_size) if pack_size else None
         scale = (
             sample_depth_scale(a, step) if self.training and step is not None and self.core.depth is not None else 1.0
         )
@@ -170,8 +176,10 @@ class Spider(nn.Module):
         aux_loss = a.moe_aux_coeff * core.moe_aux_loss + a.boundary_coeff * b_loss
         load = core.moe_counts / core.moe_counts.sum().clamp(min=1.0)
         real_bytes = (input_ids != PAD_ID).sum().float()
-        dropped = (seg.row_segments - S).clamp(min=0).sum() if capacity else 0  # segments past the capacity
+        dropped = (seg.row_segments - S).clamp(min=0).sum() if capacity else 0  # segments past a row's slots
         real_segments = seg.seg_real.sum() + dropped
+        if pack_size:  # and the slots past the packed positions
+            dropped = dropped + (seg.seg_valid.sum() - pack_size).clamp(min=0)
         aux = {
             "moe_aux_loss": core.moe_aux_loss.detach(),
             "boundary_loss": b_loss.detach(),
@@ -192,7 +200,9 @@ class Spider(nn.Module):
                     a,
                     T,
                     n_loops=core.loops_run,
-                    bytes_per_segment=T / S if capacity else B * T / seg.total_segments,
+                    bytes_per_segment=(B * T / pack_size if pack_size else T / S)
+                    if capacity
+                    else B * T / seg.total_segments,
                     backprop_loops=core.backprop_loops,
                     row_segments=S if capacity else seg.max_row_segments,
                     loop_slots=core.loop_slots,
