@@ -96,6 +96,8 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
 
         self.run: Run = build_run(cfg, rank=self.rank, world_size=self.world_size, dump_folder=self.dump_folder)
+        # refused here, before the run's record and config are written (a refused start leaves the folder as it was)
+        self.step_graph = self._step_graph() if cfg.training.cuda_graph else None
         self.state = TrainState()
         # Restores model, optimizer, scheduler, data position, train state and RNG when resuming,
         # so the data iterator is made after it, from the restored loader.
@@ -159,7 +161,6 @@ class Trainer:
             val_tokens=self.validator.pass_tokens() if self.validator is not None else 0,
         )
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
-        self.step_graph = self._step_graph() if t.cuda_graph else None
         log_start_block(cfg, run, self.dump_folder)
 
     # ------------------------------------------------------------------ steps

@@ -28,6 +28,7 @@ def test_a_run_the_graph_cannot_serve_is_refused_naming_what_it_lacks(tmp_path):
     assert proc.returncode != 0
     assert "training.cuda_graph needs a CUDA device (this run is on cpu)" in proc.stderr, proc.stderr
     assert "model.segment_capacity > 0" in proc.stderr, proc.stderr
+    assert not (tmp_path / "config.toml").exists()  # refused before the run's record and config are written
 
 
 def test_the_blockers_name_every_per_step_host_choice():
