@@ -141,18 +141,18 @@ def warm_router(trainer, steps: int = 200, lr: float = 0.05) -> float:
     # in the step's own precision: at dim 2048 the predictor's scores lie close together, so the rate
     # reached in fp32 need not hold in bf16 (the first H200 runs warmed in fp32 to 3.92 bytes per
     # segment and timed their steps at 2.6)
-    with torch.no_grad(), trainer._eval_precision():
-        x = model.prelude(model.embed_tokens(ids), _freqs(model, ids))
     rate = float("nan")
-    for _ in range(steps):
-        with trainer._eval_precision():
+    with trainer._eval_precision():  # entered once: it casts every matmul weight on entry
+        with torch.no_grad():
+            x = model.prelude(model.embed_tokens(ids), _freqs(model, ids))
+        for _ in range(steps):
             seg = chunker.segment(chunker.logits(predictor, x), ids)
-        rate = float((ids != PAD_ID).sum()) / max(float(seg.seg_real.sum()), 1.0)
-        if low <= rate <= high:
-            break
-        opt.zero_grad()
-        chunker.loss(seg).backward()
-        opt.step()
+            rate = float((ids != PAD_ID).sum()) / max(float(seg.seg_real.sum()), 1.0)
+            if low <= rate <= high:
+                break
+            opt.zero_grad()
+            chunker.loss(seg).backward()
+            opt.step()
     model.zero_grad(set_to_none=True)  # the boundary loss's gradients are not the first step's
     return rate
 
