@@ -52,6 +52,10 @@ def unflatten_outputs(flat: torch.Tensor, layout: Layout) -> Outputs:
     return parts[0], parts[1], dict(zip(keys, parts[2:]))
 
 
+def _shapes(batches: Batches) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for batch in batches for t in batch]
+
+
 def graph_blockers(
     *, device: torch.device, world_size: int, model_blockers: Sequence[str], fp32_experts: bool = False
 ) -> list[str]:
@@ -91,10 +95,10 @@ class StepGraph:
             return self._on_stream(lambda: self.forward_backward(micro_batches, step))
         if self.graph is None:
             self._capture(micro_batches, step)
-        shapes = [tuple(t.shape) for batch in micro_batches for t in batch]
-        if shapes != [tuple(t.shape) for batch in self.inputs for t in batch]:
+        if _shapes(micro_batches) != _shapes(self.inputs):
             raise ValueError(
-                f"training.cuda_graph: the graph was captured for inputs {self.shapes}, this step has {shapes}"
+                f"training.cuda_graph: the graph was captured for inputs {_shapes(self.inputs)}, "
+                f"this step has {_shapes(micro_batches)}"
             )
         for static, new in zip(self.inputs, micro_batches):
             for s, t in zip(static, new):
@@ -103,10 +107,6 @@ class StepGraph:
         for p, g in zip(self.params, self.grads):
             p.grad = g
         return unflatten_outputs(self.flat.clone(), self.layout)  # one copy: the next replay overwrites them
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(t.shape) for batch in self.inputs for t in batch]
 
     def _on_stream(self, fn: Callable[[], Outputs]) -> Outputs:
         """``fn()`` on the side stream the capture uses (its lazy per-stream state is made in warm-up)."""
