@@ -275,6 +275,7 @@ def profile_step(trainer, step: int) -> dict:
                 per_range[name] += k.duration_ns()
         launched, busy_fraction = len(kernels), round(busy / span, 3) if span else None
         counts["step_gpu_ms"] = round(span / 1e6, 3)
+        counts["kinds"] = kernel_kinds([(k.name(), k.duration_ns()) for k in kernels])
     else:
         counts, ops = count_launches(host)
         # training.cuda_graph replays the forward-backward range as one graph: what the host would still
@@ -293,6 +294,49 @@ def profile_step(trainer, step: int) -> dict:
         "top": [(name, round(ns / 1e6, 3)) for name, ns in top.most_common(10)],
         "ranges_ms": {k: round(v / 1e6, 3) for k, v in sorted(per_range.items())},
     }
+
+
+# GPU kernels by kind, first match wins: what a name contains (lower case) -> the kind
+KERNEL_KINDS = (
+    ("grouped_gemm", ("groupproblemshape", "grouped")),
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "cublas")),
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("inductor_reduction", ("triton_per_", "triton_red_")),
+    ("inductor_pointwise", ("triton_poi_",)),
+    ("copy_fill", ("copy", "memcpy", "memset", "fill")),
+    (
+        "moe_triton",
+        (
+            "_expand_kernel",
+            "_reduce_kernel",
+            "_weight_grad_kernel",
+            "_histogram_kernel",
+            "_offsets_kernel",
+            "_positions_kernel",
+        ),
+    ),
+)
+SMALL_KERNEL_US = 10  # a kernel shorter than this is mostly launch latency and tail
+
+
+def kernel_kinds(kernels: list[tuple[str, int]]) -> dict[str, dict]:
+    """GPU time and count per kind of kernel (``KERNEL_KINDS``; the rest ``other``) of (name, ns)
+    pairs, plus ``small``: the kernels under ``SMALL_KERNEL_US``, whatever their kind (the tail that
+    fusion or a graph, not a faster GEMM, would shorten)."""
+    out: dict[str, dict] = {}
+
+    def add(kind: str, ns: int) -> None:
+        entry = out.setdefault(kind, {"n": 0, "ms": 0.0})
+        entry["n"] += 1
+        entry["ms"] += ns / 1e6
+
+    for name, ns in kernels:
+        low = name.lower()
+        add(next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other"), ns)
+        if ns < SMALL_KERNEL_US * 1000:
+            add("small", ns)
+    return {k: {"n": v["n"], "ms": round(v["ms"], 3)} for k, v in sorted(out.items(), key=lambda kv: -kv[1]["ms"])}
 
 
 def host_events(prof) -> list:
@@ -426,6 +470,7 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
             happened = watch.take()
             if step == 1:
                 result["compile_s"] = round(dt, 2)
+                result["compile_events"] = happened  # e.g. Triton JIT and autotune compiles in step 1
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
             if step > args.warmup:
@@ -520,6 +565,8 @@ def table(report: dict) -> str:
                 f"- the step on the GPU: {p['step_gpu_ms']} ms, {p['launched']} kernels, "
                 f"{p.get('host_launches', '-')} launches from the host"
             )
+        if "kinds" in p:
+            lines.append("- by kind: " + ", ".join(f"{k} {v['ms']} ms ({v['n']})" for k, v in p["kinds"].items()))
         lines += [f"- `{k}`: {v} ms" for k, v in p["top"][:5]]
         if "launch_parts" in p:
             lines.append(f"- launches: {p['launch_parts']}")

@@ -53,6 +53,7 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
         row = rows[name]
         assert row["bytes_per_s"] > 0 and row["tflops"] > 0 and row["profile"]["launched"] > 0, (name, row)
         assert f"| {name} | {row['bytes_per_s']} |" in table
+        assert row["compile_events"]["triton_compiles"] >= 0, row  # what step 1 compiled, beside its time
     spider = rows["spider_1b"]
     # the router warmed to the band of the ratio loss (4 +- 20 %): steady-state shapes from the first timed step
     assert 3.2 <= spider["warm_bytes_per_segment"] <= 4.8, spider
@@ -101,3 +102,39 @@ def test_the_launch_count_skips_views_and_counts_copies(monkeypatch):
         z = x.to(torch.float32).reshape(64)  # a no-op to and a view-able reshape: 0
         w = x.to(torch.float64), y.reshape(64), x @ x, z + 1, torch.empty(3)  # cast, copy, mm, add: 4
     assert count_launches(host_events(prof))[0] == {"launched": 4, "outside": 4, "inside": 0, "regions": 0}, w
+
+
+def test_kernels_are_summed_by_kind(monkeypatch):
+    """bench_gpu.kernel_kinds on kernel names an H200 step launched (run B of docs/benchmarks.md):
+    the grouped expert GEMM is told from the dense GEMMs, and the short kernels are counted again
+    as the tail."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from bench_gpu import kernel_kinds
+
+    grouped = "void at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<>>>"
+    kernels = [
+        (grouped, 2_000_000),
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 1_000_000),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x192_1x", 500_000),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 300_000),
+        ("triton_poi_fused__to_copy__unsafe_view_add_cat_expand_mul", 4_000),
+        ("triton_per_fused__fused_rms_norm__fused_rms_norm_backward", 20_000),
+        ("_expand_kernel", 6_000),
+        ("void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda>", 3_000),
+        ("ncclDevKernel_AllGather_RING_LL", 50_000),
+    ]
+    kinds = kernel_kinds(kernels)
+    assert {k: v["n"] for k, v in kinds.items()} == {
+        "grouped_gemm": 1,
+        "gemm": 1,
+        "attention": 1,
+        "optimizer": 1,
+        "inductor_pointwise": 1,
+        "inductor_reduction": 1,
+        "moe_triton": 1,
+        "copy_fill": 1,
+        "other": 1,
+        "small": 3,
+    }
+    assert kinds["grouped_gemm"]["ms"] == 2.0 and kinds["small"]["ms"] == 0.013
+    assert list(kinds)[0] == "grouped_gemm"  # by time, largest first
