@@ -6,13 +6,15 @@
 Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on mock data, one micro-batch of
 ``--batch`` x ``--seq`` bytes, no validation or checkpoints): ``dense_1b`` (bf16, activation checkpointing off),
 ``spider_1b`` (the shipped config: bf16, Triton MoE, recurrent AC, bucket 64), ``spider_1b_static`` (the
-same with ``model.segment_capacity``: static shapes, no host sync), ``spider_1b_graph`` (static, and the
+same with ``model.segment_capacity`` ``--capacity``: static shapes, no host sync), ``spider_1b_packed``
+(static with the capacities of ``--packed``: fewer slots per row, and the core's projections and experts on
+the batch's segments packed into fewer positions), ``spider_1b_graph`` (``spider_1b_packed``, and the
 step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
 rows (static with more flags) and ``spider_1b_fp8`` (the float8 converter; skipped with the reason where
-torchao or the GPU cannot run it). Every Spider row starts
-at steady-state segmentation: before any timed step its boundary predictor's threshold is fitted to the
-target rate on the run's own first batch by the boundary loss alone (``warm_router``), so the timed steps
-see ~4 bytes per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
+torchao or the GPU cannot run it). Every Spider row starts at steady-state segmentation: before any
+timed step its boundary predictor's threshold is set by bisection to within 5 % of the target rate on
+the run's own first batch (``warm_router``), so the timed steps see ~4 bytes per segment from the
+first, not the 16-byte cap an untrained predictor starts at on 1B.
 
 Per row: bytes/s, TFLOP/s and MFU by the trainer's own FLOPs count (Spider's ``aux["flops_per_byte"]``:
 the segments and loops actually run), peak memory, compile time (the first step), recompiles with
@@ -108,11 +110,14 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     dense_row = base + ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
     spider += args.extra.split()
     static = ["--model.segment_capacity", str(args.capacity)]
+    slots, positions = args.packed.split(",")
+    packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
     out = [
         ("dense_1b", dense_row + dense),
         ("spider_1b", base + spider),
         ("spider_1b_static", base + spider + static),
-        ("spider_1b_graph", base + spider + static + ["--training.cuda_graph", "true"]),
+        ("spider_1b_packed", base + spider + packed),
+        ("spider_1b_graph", base + spider + packed + ["--training.cuda_graph", "true"]),
     ]
     if not torch.cuda.is_available():  # a CUDA graph needs CUDA
         out.pop()
@@ -124,36 +129,36 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return out
 
 
-def warm_router(trainer, steps: int = 200, lr: float = 0.05) -> float:
-    """Fit the boundary predictor's threshold on the trainer's next batch by the boundary loss alone
-    (Adam on the threshold, every other weight untouched) until the batch's bytes per segment is inside
-    the ratio loss's band; the bytes per segment reached. Shapes of a run past its first hundred steps,
-    without training the rest of the model."""
+WARM_TOLERANCE = 0.05
+
+
+def warm_router(trainer, iterations: int = 40) -> float:
+    """Set the boundary predictor's threshold by bisection on the trainer's next batch until the batch's
+    bytes per segment is within ``WARM_TOLERANCE`` of the target (the rate grows with the threshold;
+    every other weight untouched); the bytes per segment reached. Shapes of a run past its first
+    hundred steps, without training the rest of the model. (The boundary loss cannot do it: inside the
+    ratio loss's band it does not pull.)"""
     model = trainer.run.model
     predictor = getattr(model, "boundary_predictor", None)
     if predictor is None:
         return float("nan")
     a, chunker = model.args, model.chunker
     ids = trainer.next_micro_batches()[0][0]
-    threshold = predictor.threshold
-    opt = torch.optim.Adam([threshold], lr=lr)
-    low, high = a.target_bytes_per_segment * (1 - a.boundary_band), a.target_bytes_per_segment * (1 + a.boundary_band)
+    target = a.target_bytes_per_segment
     # in the step's own precision: at dim 2048 the predictor's scores lie close together, so the rate
     # reached in fp32 need not hold in bf16 (the first H200 runs warmed in fp32 to 3.92 bytes per
     # segment and timed their steps at 2.6)
-    rate = float("nan")
-    with trainer._eval_precision():  # entered once: it casts every matmul weight on entry
-        with torch.no_grad():
-            x = model.prelude(model.embed_tokens(ids), _freqs(model, ids))
-        for _ in range(steps):
+    rate, low, high = float("nan"), -8.0, 8.0  # thresholds on causally standardised scores
+    with trainer._eval_precision(), torch.no_grad():  # entered once: it casts every matmul weight on entry
+        x = model.prelude(model.embed_tokens(ids), _freqs(model, ids))
+        for _ in range(iterations):
             seg = chunker.segment(chunker.logits(predictor, x), ids)
             rate = float((ids != PAD_ID).sum()) / max(float(seg.seg_real.sum()), 1.0)
-            if low <= rate <= high:
+            if abs(rate / target - 1.0) <= WARM_TOLERANCE:
                 break
-            opt.zero_grad()
-            chunker.loss(seg).backward()
-            opt.step()
-    model.zero_grad(set_to_none=True)  # the boundary loss's gradients are not the first step's
+            mid = float(predictor.threshold)
+            low, high = (mid, high) if rate < target else (low, mid)
+            predictor.threshold.fill_((low + high) / 2)
     return rate
 
 
@@ -591,6 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity", type=float, default=1.5, help="spider_1b_static's model.segment_capacity (default 1.5)"
     )
     p.add_argument(
+        "--packed",
+        default="1.3,1.15",
+        help="SLOTS,POSITIONS: spider_1b_packed's and spider_1b_graph's model.segment_capacity and "
+        "model.packed_capacity (default 1.3,1.15: what trained models needed on real text, docs/benchmarks.md)",
+    )
+    p.add_argument(
         "--extra", default="", help="more trainer flags for every Spider row, e.g. '--model.segment_bucket 0'"
     )
     p.add_argument(
@@ -601,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         "'no_ac=--activation_checkpoint.mode none'",
     )
     p.add_argument("--rows", default="", help="comma-separated rows to run (default: all)")
-    p.add_argument("--budget_s", type=float, default=150.0, help="seconds a row may take, compile included (150)")
+    p.add_argument("--budget_s", type=float, default=60.0, help="seconds a row may take, compile included (60)")
     p.add_argument(
         "--fp8_budget_s",
         type=float,
