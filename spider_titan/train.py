@@ -44,7 +44,7 @@ from spider_titan.parallel.fsdp import maybe_no_grad_sync
 from spider_titan.parallel.mesh import destroy_process_groups
 from spider_titan.training.calibration import Calibrator
 from spider_titan.training.cuda_graph import FORWARD_BACKWARD, StepGraph, graph_blockers
-from spider_titan.training.health import NoLabelsError, StepHealth
+from spider_titan.training.health import DropWatch, NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.report import launch_command, log_end_block, log_start_block
 from spider_titan.training.signals import Interrupted, ProgramSignals, StopSignal, second_signal_line
@@ -127,6 +127,7 @@ class Trainer:
             saving=cfg.checkpoint.enable,
             command=self.command,
         )
+        self.drops = DropWatch("the model's segment capacity (model.segment_capacity / packed_capacity)")
         # The model's eval passes: the same model, spec, device, precision and stop signal.
         evals = dict(device=run.device, autocast=self._eval_precision, stop=self.stop)
         # Validation replays the same batches every time, from where its loader stands now.
@@ -336,6 +337,8 @@ class Trainer:
                 scalars = reduce_metrics(metrics, self.world_size)
                 scalars.update(self.progress.step_scalars(step, lr=run.lr_scheduler.get_last_lr()[0]))
                 run.metric_logger.log(step, scalars)
+                if self.rank == 0:
+                    self.drops.log_step(step, scalars.get("segments_dropped"))
                 self.progress.new_interval()
             if last and not stopping and not self._calibrate(step):
                 return self._stop(step, ", the last, during its calibration (not applied)")

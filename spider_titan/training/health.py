@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,3 +135,35 @@ class StepHealth:
                 f"step {first_bad}: non-finite {what} (loss {bad_loss:.4g}, grad norm {bad_norm:.4g}"
                 f"{'; ' + why if why else ''}; detected at step {step}); {hint}"
             )
+
+
+class DropWatch:
+    """Warns when a static segment capacity (``model.segment_capacity`` / ``packed_capacity``) drops more
+    than ``LIMIT`` of the segments: the median of the logged steps' ``aux.segments_dropped`` over the last
+    ``WINDOW`` log steps (so one dense batch does not warn), once, and again each time that median
+    doubles. A dropped segment's bytes read no core output."""
+
+    LIMIT = 0.01
+    WINDOW = 5
+
+    def __init__(self, capacities: str):
+        self.capacities, self.recent, self.warned = capacities, [], 0.0
+
+    def log_step(self, step: int, dropped: float | None) -> bool:
+        """Take a log step's dropped share (None: no capacity); True when it warned."""
+        if dropped is None:
+            return False
+        self.recent = (self.recent + [dropped])[-self.WINDOW :]
+        median = statistics.median(self.recent)
+        if len(self.recent) < self.WINDOW or median <= max(self.LIMIT, 2 * self.warned):
+            return False
+        self.warned = median
+        logger.warning(
+            "step %d: %s dropped a median %.1f %% of the segments at the last %d logged steps (their bytes read no "
+            "core output); raise it (scripts/segment_capacity.py measures what a trained model needs)",
+            step,
+            self.capacities,
+            100 * median,
+            len(self.recent),
+        )
+        return True
