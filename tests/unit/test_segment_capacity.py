@@ -11,6 +11,7 @@ import torch
 
 from spider_titan.models.spider.args import SPIDER_FLAVORS
 from spider_titan.models.spider.model import Spider
+from tests.distributed.test_parallelism import COMMON
 from tests.unit.test_spider_packing import ragged_ids
 from tests.utils import REPO, check_ok, run_train
 
@@ -61,26 +62,9 @@ def test_drops_warn_on_a_sustained_mean_once_and_again_when_it_doubles(caplog):
 @pytest.mark.parametrize("capacity, warns", [(0.5, True), (4.0, False)])
 def test_a_run_whose_capacity_drops_segments_says_so(tmp_path, capacity, warns):
     """Half a slot per expected segment: the trainer warns, naming the share dropped; 4 slots: silent."""
-    args = [
-        "--job.config_file",
-        "train_configs/debug_model.toml",
-        "--training.dataset",
-        "mock",
-        "--training.steps",
-        "6",
-        "--training.seq_len",
-        "64",
-        "--metrics.log_freq",
-        "1",
-        "--validation.enable",
-        "false",
-        "--checkpoint.export_at_end",
-        "false",
-        "--model.segment_capacity",
-        str(capacity),
-        "--job.dump_folder",
-        str(tmp_path),
-    ]
+    # COMMON: the debug model on mock data, 5 steps of 64 bytes, each logged
+    args = COMMON + ["--model.segment_capacity", str(capacity), "--checkpoint.export_at_end", "false"]
+    args += ["--job.dump_folder", str(tmp_path)]
     proc = run_train(args)
     check_ok(proc)
     said = "of the segments at the last 5 logged steps" in proc.stdout + proc.stderr
