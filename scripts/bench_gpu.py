@@ -150,7 +150,7 @@ def warm_router(trainer, iterations: int = 40) -> float:
     # segment and timed their steps at 2.6)
     rate, low, high = float("nan"), -8.0, 8.0  # thresholds on causally standardised scores
     with trainer._eval_precision(), torch.no_grad():  # entered once: it casts every matmul weight on entry
-        x = model.prelude(model.embed_tokens(ids), _freqs(model, ids))
+        x = model.byte_states(ids)
         for _ in range(iterations):
             seg = chunker.segment(chunker.logits(predictor, x), ids)
             rate = float((ids != PAD_ID).sum()) / max(float(seg.seg_real.sum()), 1.0)
@@ -160,13 +160,6 @@ def warm_router(trainer, iterations: int = 40) -> float:
             low, high = (mid, high) if rate < target else (low, mid)
             predictor.threshold.fill_((low + high) / 2)
     return rate
-
-
-def _freqs(model, ids: torch.Tensor) -> torch.Tensor:
-    from spider_titan.models.common import rope_frequencies
-
-    a = model.args
-    return rope_frequencies(a.qk_rope_head_dim, ids.shape[1], a.rope_theta, device=ids.device)
 
 
 class _Recompiles(logging.Handler):

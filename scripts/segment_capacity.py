@@ -22,7 +22,6 @@ import torch
 from spider_titan import registry
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.generation import load_model
-from spider_titan.models.common import rope_frequencies
 
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
 
@@ -35,9 +34,7 @@ def capacity_needed(model, batches) -> dict[str, list[float]]:
     rows, packed = [], []
     for ids in batches:
         B, T = ids.shape
-        freqs = rope_frequencies(a.qk_rope_head_dim, T, a.rope_theta, device=ids.device)
-        x = model.prelude(model.embed_tokens(ids), freqs)
-        seg = model.chunker.segment(model.chunker.logits(model.boundary_predictor, x), ids)
+        seg = model.chunker.segment(model.chunker.logits(model.boundary_predictor, model.byte_states(ids)), ids)
         counts = seg.row_segments.double() * a.target_bytes_per_segment
         rows += (counts / T).tolist()
         packed.append(float(counts.sum()) / (B * T))

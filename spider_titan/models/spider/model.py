@@ -109,6 +109,14 @@ class Spider(nn.Module):
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.lm_head.weight, std=a.dim**-0.5)
 
+    def byte_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prelude's byte states (B, T, dim) of ``input_ids``: what the boundary predictor reads
+        (scripts/segment_capacity.py and the GPU harness segment with them, without the core)."""
+        freqs = rope_frequencies(
+            self.args.qk_rope_head_dim, input_ids.shape[1], self.args.rope_theta, device=input_ids.device
+        )
+        return self.prelude(self.embed_tokens(input_ids), freqs)
+
     def forward(
         self,
         input_ids: torch.Tensor,
