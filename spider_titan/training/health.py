@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,13 +148,13 @@ class DropWatch:
     WINDOW = 5
 
     def __init__(self, capacities: str):
-        self.capacities, self.recent, self.warned = capacities, [], 0.0
+        self.capacities, self.recent, self.warned = capacities, deque(maxlen=self.WINDOW), 0.0
 
     def log_step(self, step: int, dropped: float | None) -> bool:
         """Take a log step's dropped share (None: no capacity); True when it warned."""
         if dropped is None:
             return False
-        self.recent = (self.recent + [dropped])[-self.WINDOW :]
+        self.recent.append(dropped)
         median = statistics.median(self.recent)
         if len(self.recent) < self.WINDOW or median <= max(self.LIMIT, 2 * self.warned):
             return False

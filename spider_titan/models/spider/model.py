@@ -153,11 +153,13 @@ class Spider(nn.Module):
             chunks, bucket_ids = chunker.pool(x, seg), chunker.engram_ids(input_ids, seg)  # (B, S, dim), (B, S, 2)
             # the core runs on the real segments packed into one row; under a capacity on every slot, or
             # on a fixed number of packed positions (packed_capacity)
-            pack_size = math.ceil(a.packed_capacity * B * T / a.target_bytes_per_segment) if capacity else 0
+            pack_size = math.ceil(a.packed_capacity * B * T / a.target_bytes_per_segment)  # 0 without packed_capacity
             if not capacity:
                 packed = PackedRows.of(seg.seg_valid, seg.total_segments)
+            elif pack_size:
+                packed = PackedRows.fixed(seg.seg_valid, pack_size)
             else:
-                packed = PackedRows.fixed(seg.seg_valid, pack_size) if pack_size else None
+                packed = None
         scale = (
             sample_depth_scale(a, step) if self.training and step is not None and self.core.depth is not None else 1.0
         )
