@@ -10,11 +10,11 @@ same with ``model.segment_capacity`` ``--capacity``: static shapes, no host sync
 (static with the capacities of ``--packed``: fewer slots per row, and the core's projections and experts on
 the batch's segments packed into fewer positions), ``spider_1b_graph`` (``spider_1b_packed``, and the
 step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
-rows (static with more flags) and ``spider_1b_fp8`` (the float8 converter; skipped with the reason where
-torchao or the GPU cannot run it). Every Spider row starts at steady-state segmentation: before any
-timed step its boundary predictor's threshold is set by bisection to within 5 % of the target rate on
-the run's own first batch (``warm_router``), so the timed steps see ~4 bytes per segment from the
-first, not the 16-byte cap an untrained predictor starts at on 1B.
+rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_packed`` with the float8 converter;
+skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts at steady-state
+segmentation: before any timed step its boundary predictor's threshold is set by bisection to within
+5 % of the target rate on the run's own first batch (``warm_router``), so the timed steps see ~4 bytes
+per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
 
 Per row: bytes/s, TFLOP/s and MFU by the trainer's own FLOPs count (Spider's ``aux["flops_per_byte"]``:
 the segments and loops actually run), peak memory, compile time (the first step), recompiles with
@@ -125,7 +125,8 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         name, _, flags = variant.partition("=")
         out.append((name, base + spider + static + flags.split()))
     if not args.no_fp8:
-        out.append(("spider_1b_fp8", base + spider + ["--model.converters", "float8", "--float8.fallback", "error"]))
+        fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
+        out.append(("spider_1b_fp8", base + spider + packed + fp8))
     return out
 
 

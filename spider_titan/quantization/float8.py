@@ -176,7 +176,39 @@ def _apply_fp8_experts(model: nn.Module, cfg: Float8) -> int:
     for layer in layers:
         layer.align = FP8_ALIGN  # fp8 grouped GEMM needs every group size a multiple of 16
         layer.experts._grouped_mm = MethodType(_fp8_grouped_mm, layer.experts)
+    tune_scale_kernel_once()
     return len(layers)
+
+
+# Registers a thread may spend on the tile of torchao's dual scale kernel: 16 elements of each operand
+# per thread; every config past it spilled at sm_90 (ptxas -v), every config within it did not.
+_DUAL_ELEMENTS_PER_THREAD = 16
+
+
+def tune_scale_kernel_once() -> list:
+    """Make torchao's weight-gradient scale kernel (the fp8 grouped GEMM's backward) autotune once per run.
+
+    It autotunes over 36 configs keyed on its row count, which follows the segment count: every new count
+    benchmarked all 36 again mid-step, and compiling them took 91 s of a 2-core CPU's time, most of it
+    configs that spill. Keyed on the group count alone, over the configs that do not spill. Returns the
+    configs kept ([] where the kernel is not defined: no GPU Triton, another torchao)."""
+    try:
+        from torchao.prototype.moe_training.kernels import jagged_float8_scales
+    except Exception as e:  # noqa: BLE001 (an unimportable kernel module leaves the grouped GEMM as torchao made it)
+        logger.info("fp8 scale kernel left as torchao tunes it: %s: %s", type(e).__name__, e)
+        return []
+    kernel = getattr(jagged_float8_scales, "_triton_fp8_per_group_colwise_scales_dual_kernel", None)
+    if kernel is None or not hasattr(kernel, "configs"):
+        return []
+    kernel.keys = [k for k in kernel.keys if k != "K"]  # K is the row count here
+    kept = [
+        c
+        for c in kernel.configs
+        if c.kwargs["BLOCK_SIZE"] * c.kwargs["BLOCK_SIZE_ITER"] <= _DUAL_ELEMENTS_PER_THREAD * 32 * c.num_warps
+    ]
+    kernel.configs = kept or kernel.configs
+    kernel.cache.clear()
+    return kernel.configs
 
 
 def build_float8_post_step_hook(model: nn.Module, cfg: Float8) -> Callable[[], None] | None:

@@ -1,0 +1,108 @@
+"""torchao's weight-gradient scale kernel, as the float8 converter leaves it (``tune_scale_kernel_once``):
+autotuned once however the row count moves, over configs that do not spill on sm_90.
+
+torchao defines the kernel only where ``torch.utils._triton.has_triton()`` (a GPU), so a child process
+claims one and runs the kernel in Triton's interpreter; each autotune miss is counted and served by
+the first config, so nothing is benchmarked. The compile half lowers the kept configs for sm_90 on the CPU
+and reads ptxas's spill count, as tests/unit/test_triton_aot.py does for the MoE kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.unit.test_triton_aot import _ptxas_available
+
+_PRELUDE = """
+import json, os, sys
+import torch
+import torch.utils._triton as _triton_util
+_triton_util.has_triton = lambda: True  # torchao defines its Triton kernels only where a GPU is
+import triton.runtime.autotuner as _autotuner
+_init = _autotuner.Autotuner.__init__
+def _known_keys_only(self, fn, arg_names, configs, key, *a, **k):  # torchao 0.18 keys one kernel on a name
+    return _init(self, fn, arg_names, configs, [n for n in key if n in arg_names], *a, **k)  # Triton 3.9 rejects
+_autotuner.Autotuner.__init__ = _known_keys_only
+from torchao.prototype.moe_training.kernels import jagged_float8_scales as J
+from spider_titan.quantization.float8 import tune_scale_kernel_once
+kernel = J._triton_fp8_per_group_colwise_scales_dual_kernel
+"""
+
+_MISSES = """
+misses = []
+def first_config(kwargs, *a):  # an autotune miss: counted, and one config, so nothing is benchmarked
+    misses.append(1)
+    return kernel.configs[:1]
+kernel.prune_configs = first_config
+if sys.argv[1] == "tuned":
+    tune_scale_kernel_once()
+for rows in (64, 96, 64, 128):  # the row count of the segments routed to the experts, step by step
+    a, b = torch.randn(rows, 32, dtype=torch.bfloat16), torch.randn(rows, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([rows // 2, rows], dtype=torch.int32)
+    J.triton_fp8_per_group_colwise_scales_dual(a, b, offs, torch.float8_e4m3fn, round_scales_to_power_of_2=True)
+print(json.dumps(len(misses)))
+"""
+
+_SPILLS = """
+import re, subprocess, tempfile
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+all_configs = list(kernel.configs)
+kept = tune_scale_kernel_once()
+dropped = next(c for c in all_configs if c not in kept and c.num_warps == 4 and c.kwargs["BLOCK_SIZE_ITER"] == 128)
+sig = dict(input_ptr_1="*bf16", out_ptr_1="*fp8e4nv", scales_ptr_1="*fp32", N1="i64", stride_input_row_1="i64",
+           stride_output_col_1="i64", input_ptr_2="*bf16", out_ptr_2="*fp8e4nv", scales_ptr_2="*fp32", N2="i64",
+           stride_input_row_2="i64", stride_output_col_2="i64", offsets_ptr="*i32", K="i64", N_GROUPS="i64")
+consts = dict(fp8_dtype_min=-448.0, fp8_dtype_max=448.0, input_dtype_1=tl.bfloat16, input_dtype_2=tl.bfloat16,
+              output_dtype=tl.float8e4nv, round_scales_to_power_of_2=True, EPS=1e-12, STRIDE_INPUT_COL_1=1,
+              STRIDE_OUTPUT_ROW_1=1, STRIDE_INPUT_COL_2=1, STRIDE_OUTPUT_ROW_2=1)
+rows = []
+for cfg in [*kept, dropped]:
+    c = dict(consts, **cfg.kwargs)
+    src = ASTSource(kernel.fn, dict(sig, **{k: "constexpr" for k in c}), c, {})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True)
+    stores = int(re.search(r"(\\d+) bytes spill stores", out.stderr + out.stdout).group(1))
+    rows.append(dict(config=str(cfg), kept=cfg in kept, spill_stores=stores))
+print(json.dumps(dict(total=len(all_configs), rows=rows)))
+"""
+
+
+def _child(body: str, *argv: str, interpret: bool) -> object:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    code = textwrap.dedent(_PRELUDE) + ("import triton\n" if not interpret else "") + textwrap.dedent(body)
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_autotunes_once_as_the_row_count_moves():
+    assert _child(_MISSES, "torchao", interpret=True) == 3  # torchao's key: one autotune per new row count
+    assert _child(_MISSES, "tuned", interpret=True) == 1
+
+
+def test_kept_configs_do_not_spill_on_sm90():
+    ok, why = _ptxas_available()
+    if not ok:
+        pytest.skip(why)
+    report = _child(_SPILLS, interpret=False)
+    kept = [r for r in report["rows"] if r["kept"]]
+    assert report["total"] == 36 and 1 <= len(kept) <= 8, report
+    assert all(r["spill_stores"] == 0 for r in kept), report
+    assert [r["spill_stores"] > 0 for r in report["rows"] if not r["kept"]] == [True], report  # the control spills
