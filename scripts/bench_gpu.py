@@ -10,7 +10,7 @@ same with ``model.segment_capacity`` ``--capacity``: static shapes, no host sync
 (static with the capacities of ``--packed``: fewer slots per row, and the core's projections and experts on
 the batch's segments packed into fewer positions), ``spider_1b_graph`` (``spider_1b_packed``, and the
 step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
-rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_packed`` with the float8 converter;
+rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
 skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts at steady-state
 segmentation: before any timed step its boundary predictor's threshold is set by bisection to within
 5 % of the target rate on the run's own first batch (``warm_router``), so the timed steps see ~4 bytes
@@ -112,21 +112,22 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     static = ["--model.segment_capacity", str(args.capacity)]
     slots, positions = args.packed.split(",")
     packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
+    graph = ["--training.cuda_graph", "true"] if torch.cuda.is_available() else []  # a CUDA graph needs CUDA
     out = [
         ("dense_1b", dense_row + dense),
         ("spider_1b", base + spider),
         ("spider_1b_static", base + spider + static),
         ("spider_1b_packed", base + spider + packed),
-        ("spider_1b_graph", base + spider + packed + ["--training.cuda_graph", "true"]),
+        ("spider_1b_graph", base + spider + packed + graph),
     ]
-    if not torch.cuda.is_available():  # a CUDA graph needs CUDA
+    if not graph:
         out.pop()
     for variant in args.variant:  # NAME=FLAGS: spider_1b_static with more flags
         name, _, flags = variant.partition("=")
         out.append((name, base + spider + static + flags.split()))
     if not args.no_fp8:
         fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
-        out.append(("spider_1b_fp8", base + spider + packed + fp8))
+        out.append(("spider_1b_fp8", base + spider + packed + graph + fp8))
     return out
 
 
