@@ -126,7 +126,13 @@ def test_every_shipped_config_parses_round_trips_and_assembles(path, tmp_path):
 
 def test_shipped_configs_exist():
     names = {p.name for p in CONFIGS}
-    assert {"debug_model.toml", "debug_dense.toml", "spider_1b.toml", "spider_1b_fp8_fsdp_ep.toml"} <= names
+    assert {
+        "debug_model.toml",
+        "debug_dense.toml",
+        "spider_1b.toml",
+        "spider_1b_fp8_fsdp_ep.toml",
+        "spider_1b_1gpu.toml",
+    } <= names
 
 
 def test_help_lists_every_key_with_its_doc():
