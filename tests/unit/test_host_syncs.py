@@ -8,7 +8,8 @@ read), and count the calls that would wait on a GPU with tests/sync_counter.py o
 
 * spider_1b: at most one per micro-batch, the segment count of the learned segmentation
   (models/spider/segmentation.py, ``S = int(n_segments.max())``), which sizes the core's tensors;
-  none with ``model.segment_capacity`` (a fixed number of segment slots per row).
+  none with ``model.segment_capacity`` (a fixed number of segment slots per row), as
+  spider_1b_1gpu ships it.
 * spider_1b_fp8_fsdp_ep (2 gloo ranks, EP 2): those, plus one read per expert-parallel dispatch
   (the split sizes of the token all-to-all, parallel/expert_parallel.py): n_core x n_loops per
   micro-batch; an activation-checkpoint recompute replays the forward's, it does not read again.
@@ -114,13 +115,21 @@ def test_spider_1b_reads_only_the_segment_count(tmp_path, in_process):
     assert files[SEGMENT_COUNT] == micro_batches == 4
 
 
-@pytest.mark.parametrize("packed", [(), ("--model.packed_capacity", "1.2")], ids=["slots", "packed"])
-def test_spider_1b_with_a_segment_capacity_reads_nothing(tmp_path, in_process, packed):
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        ("spider_1b.toml", ("--model.segment_capacity", "1.5")),
+        ("spider_1b.toml", ("--model.segment_capacity", "1.5", "--model.packed_capacity", "1.2")),
+        ("spider_1b_1gpu.toml", ("--training.cuda_graph", "false")),  # a CUDA graph needs CUDA
+    ],
+    ids=["slots", "packed", "1gpu_config"],
+)
+def test_spider_1b_with_a_segment_capacity_reads_nothing(tmp_path, in_process, config, overrides):
     """``model.segment_capacity`` (static shapes), on every slot or packed into a fixed number of
-    positions (``packed_capacity``): not even the segment count is read back."""
-    overrides = ("--model.segment_capacity", "1.5", *packed)
-    sites, micro_batches, _ = count_one_step("spider_1b.toml", tmp_path / "run", overrides)
-    print("\nspider_1b with", overrides, "syncs in one step:", dict(sites))
+    positions (``packed_capacity``), as the one-GPU config ships them: not even the segment count is
+    read back."""
+    sites, micro_batches, _ = count_one_step(config, tmp_path / "run", overrides)
+    print("\n", config, "with", overrides, "syncs in one step:", dict(sites))
     assert set(by_file(sites)) <= {CPU_ONLY_CHECK}, sites
 
 
