@@ -1,4 +1,4 @@
-"""Host syncs per training step of the two 1B configs, at reduced width (issue 22, item 3).
+"""Host syncs per training step of the 1B configs, at reduced width (issue 22, item 3).
 
 The configs keep their structure (prelude / core / coda blocks, loops, experts, top-k, gradient
 accumulation, AC mode, load balancing) at tiny widths and sequence length, run eager on CPU with
