@@ -40,13 +40,16 @@ def first_config(kwargs, *a):  # an autotune miss: counted, and one config, so n
     misses.append(1)
     return kernel.configs[:1]
 kernel.prune_configs = first_config
-if sys.argv[1] == "tuned":
-    tune_scale_kernel_once()
-for rows in (64, 96, 64, 128):  # the row count of the segments routed to the experts, step by step
-    a, b = torch.randn(rows, 32, dtype=torch.bfloat16), torch.randn(rows, 16, dtype=torch.bfloat16)
-    offs = torch.tensor([rows // 2, rows], dtype=torch.int32)
-    J.triton_fp8_per_group_colwise_scales_dual(a, b, offs, torch.float8_e4m3fn, round_scales_to_power_of_2=True)
-print(json.dumps(len(misses)))
+def run(row_counts):  # the rows of the segments routed to the experts, step by step
+    misses.clear()
+    for rows in row_counts:
+        a, b = torch.randn(rows, 32, dtype=torch.bfloat16), torch.randn(rows, 16, dtype=torch.bfloat16)
+        offs = torch.tensor([rows // 2, rows], dtype=torch.int32)
+        J.triton_fp8_per_group_colwise_scales_dual(a, b, offs, torch.float8_e4m3fn, round_scales_to_power_of_2=True)
+    return len(misses)
+as_torchao_keys_it = run((64, 96, 64, 128))
+tune_scale_kernel_once()
+print(json.dumps([as_torchao_keys_it, run((80, 112, 80, 144))]))
 """
 
 _SPILLS = """
@@ -65,7 +68,10 @@ consts = dict(fp8_dtype_min=-448.0, fp8_dtype_max=448.0, input_dtype_1=tl.bfloat
               output_dtype=tl.float8e4nv, round_scales_to_power_of_2=True, EPS=1e-12, STRIDE_INPUT_COL_1=1,
               STRIDE_OUTPUT_ROW_1=1, STRIDE_INPUT_COL_2=1, STRIDE_OUTPUT_ROW_2=1)
 rows = []
-for cfg in [*kept, dropped]:
+tiles = {}  # one config per tile and warp count: the stage count left the registers equal on every config
+for cfg in kept:
+    tiles.setdefault((cfg.kwargs["BLOCK_SIZE"], cfg.kwargs["BLOCK_SIZE_ITER"], cfg.num_warps), cfg)
+for cfg in [*tiles.values(), dropped]:
     c = dict(consts, **cfg.kwargs)
     src = ASTSource(kernel.fn, dict(sig, **{k: "constexpr" for k in c}), c, {})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -81,20 +87,21 @@ print(json.dumps(dict(total=len(all_configs), rows=rows)))
 """
 
 
-def _child(body: str, *argv: str, interpret: bool) -> object:
+def _child(body: str, interpret: bool) -> object:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     code = textwrap.dedent(_PRELUDE) + ("import triton\n" if not interpret else "") + textwrap.dedent(body)
-    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_autotunes_once_as_the_row_count_moves():
-    assert _child(_MISSES, "torchao", interpret=True) == 3  # torchao's key: one autotune per new row count
-    assert _child(_MISSES, "tuned", interpret=True) == 1
+    torchao_key, converter_key = _child(_MISSES, interpret=True)
+    assert torchao_key == 3  # the negative control: one autotune per new row count
+    assert converter_key == 1
 
 
 def test_kept_configs_do_not_spill_on_sm90():
@@ -103,6 +110,6 @@ def test_kept_configs_do_not_spill_on_sm90():
         pytest.skip(why)
     report = _child(_SPILLS, interpret=False)
     kept = [r for r in report["rows"] if r["kept"]]
-    assert report["total"] == 36 and 1 <= len(kept) <= 8, report
+    assert report["total"] == 36 and 1 <= len(kept) <= 4, report
     assert all(r["spill_stores"] == 0 for r in kept), report
     assert [r["spill_stores"] > 0 for r in report["rows"] if not r["kept"]] == [True], report  # the control spills
