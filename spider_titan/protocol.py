@@ -181,6 +181,9 @@ class ModelSpec:
     graph_blockers:   ``args -> [reason, ...]``: why a training step's forward is not the same CUDA
                       graph every step (a host read of a data-dependent size, a per-step host choice);
                       ``training.cuda_graph`` refuses the run with them. None: nothing blocks
+    export_args:      args fields an export writes at these values whatever the run trained with: how
+                      training shaped its tensors for speed, which inference must not inherit (Spider's
+                      static-shape capacities drop segments of a dense prompt)
     """
 
     name: str
@@ -203,6 +206,7 @@ class ModelSpec:
     float8_skip_fqns: tuple[str, ...] = ()
     quantize_keep_fqns: tuple[str, ...] | None = None
     graph_blockers: Callable[[Any], list[str]] | None = None
+    export_args: dict[str, Any] = field(default_factory=dict)
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""

@@ -36,6 +36,7 @@ converters loads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import errno
 import fcntl
@@ -201,6 +202,12 @@ def _make_readable(path: Path, *, folder: bool = False) -> None:
     os.chmod(path, (0o777 if folder else 0o666) & ~umask)
 
 
+def exported_identity(identity: ModelIdentity) -> ModelIdentity:
+    """``identity`` with its model's ``export_args`` (ModelSpec) in place of what the run trained with."""
+    reset = registry.get("model", identity.name).export_args if identity.name in registry.names("model") else {}
+    return dataclasses.replace(identity, args={**identity.args, **{k: v for k, v in reset.items() if k in identity.args}})
+
+
 def write_export(
     tensors: dict[str, torch.Tensor],
     identity: ModelIdentity,
@@ -220,6 +227,7 @@ def write_export(
     if quantize is not None:
         check_quantizable(identity.name, quantize)
     check_export_target(out, origin=origin, keep_out_of=keep_out_of)
+    identity = exported_identity(identity)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _export_lock(out.parent):
         _remove_abandoned(out)  # before writing, to free their space (only once out is complete)

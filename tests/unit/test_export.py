@@ -559,6 +559,23 @@ def test_an_export_older_than_the_added_args_loads_as_the_model_it_is(tmp_path):
         load_model(out)
 
 
+def test_an_export_computes_every_segment_whatever_capacity_it_trained_with(tmp_path):
+    """Static shapes (``segment_capacity``, ``packed_capacity``) are how training sized its tensors: an
+    export of such a model writes them as 0, so a short or dense prompt loses no segment at inference.
+    The control: the trained model itself, with its capacities, drops segments of the same prompts."""
+    capacity = {"segment_capacity": 1.5, "packed_capacity": 1.35}
+    model, out = spider_debug_export(tmp_path, **capacity)
+    assert {k: read_export_config(out)["model"]["args"][k] for k in capacity} == dict.fromkeys(capacity, 0.0)
+    exported, _ = load_model(out)
+    exact = dataclasses.replace(model.args, **dict.fromkeys(capacity, 0.0))
+    reference = registry.get("model", "spider").build_on_meta(exact)
+    reference.to_empty(device="cpu").load_state_dict(model.state_dict())
+    x = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(x).logits, reference.eval()(x).logits)
+        assert float(model(x).aux["segments_dropped"]) > 0
+
+
 # Starts an export of the dense debug model into argv[1] and hangs once the first weights file is
 # half-written, so the test can kill it -9 there.
 KILLED_EXPORT = """

@@ -297,6 +297,7 @@ SPIDER_SPEC = ModelSpec(
     retired_args=SPIDER_RETIRED_ARGS,
     calibrate=calibrate_extra_loops,
     graph_blockers=spider_graph_blockers,
+    export_args={"segment_capacity": 0.0, "packed_capacity": 0.0},  # static shapes are training's choice
     decoder="spider_titan.models.spider.decode",
     effective_loops=effective_loops,
     hf_modules=HFModules(
