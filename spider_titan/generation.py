@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from spider_titan import registry
-from spider_titan.checkpoint.export import CONFIG_FILE, read_checkpoint_tensors, read_export
+from spider_titan.checkpoint.export import CONFIG_FILE, exported_identity, read_checkpoint_tensors, read_export
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components.builder import materialize
 from spider_titan.protocol import DTYPES, CachedDecoder, ModelSpec
@@ -109,7 +109,7 @@ def _load_from_checkpoint(path: Path, *, device: torch.device | str, dtype: torc
     folder or a ``step-<N>`` folder), and a config in the export's shape (``model``, ``step``)."""
     folder = path / "checkpoint" if (path / "checkpoint").is_dir() else path
     tensors, meta = read_checkpoint_tensors(folder)
-    identity = ModelIdentity.from_json(meta["model"])
+    identity = exported_identity(ModelIdentity.from_json(meta["model"]))  # as its export would be
     model = registry.get("model", identity.name).build_on_meta(identity.build_args())
     materialize(model, torch.device(device), seed=0)
     model.load_state_dict(tensors, strict=True)

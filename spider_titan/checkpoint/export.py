@@ -36,8 +36,8 @@ converters loads.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ctypes
+import dataclasses
 import errno
 import fcntl
 import glob
