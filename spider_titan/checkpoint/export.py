@@ -205,7 +205,9 @@ def _make_readable(path: Path, *, folder: bool = False) -> None:
 def exported_identity(identity: ModelIdentity) -> ModelIdentity:
     """``identity`` with its model's ``export_args`` (ModelSpec) in place of what the run trained with."""
     reset = registry.get("model", identity.name).export_args if identity.name in registry.names("model") else {}
-    return dataclasses.replace(identity, args={**identity.args, **{k: v for k, v in reset.items() if k in identity.args}})
+    return dataclasses.replace(
+        identity, args={**identity.args, **{k: v for k, v in reset.items() if k in identity.args}}
+    )
 
 
 def write_export(
