@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from tests.unit.test_triton_aot import _ptxas_available
 
@@ -113,3 +114,40 @@ def test_kept_configs_do_not_spill_on_sm90():
     assert report["total"] == 36 and 1 <= len(kept) <= 4, report
     assert all(r["spill_stores"] == 0 for r in kept), report
     assert [r["spill_stores"] > 0 for r in report["rows"] if not r["kept"]] == [True], report  # the control spills
+
+
+@pytest.mark.gpu
+def test_the_fp8_grouped_gemm_backward_tunes_its_scale_kernel_once_on_a_gpu():
+    """On a GPU with fp8 grouped GEMMs: three backwards of torchao's fp8 grouped GEMM at three row counts
+    (as the segment count moves) autotune the weight-gradient scale kernel once, and its gradients
+    follow the bf16 grouped GEMM's."""
+    from spider_titan.quantization.float8 import fp8_grouped_mm_supported, tune_scale_kernel_once
+
+    ok, why = fp8_grouped_mm_supported()
+    if not ok:
+        pytest.skip(why)
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    from torchao.prototype.moe_training.kernels import jagged_float8_scales as J
+
+    assert tune_scale_kernel_once()
+    kernel = J._triton_fp8_per_group_colwise_scales_dual_kernel
+    misses, prune = [], kernel.prune_configs
+    kernel.prune_configs = lambda *a, **k: misses.append(1) or prune(*a, **k)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)  # (E, out, in)
+        for rows in (256, 384, 512):
+            x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+            offs = torch.arange(1, 5, device="cuda", dtype=torch.int32) * (rows // 4)
+            weight = w.clone().requires_grad_(True)
+            _to_fp8_rowwise_then_scaled_grouped_mm(
+                x, weight.transpose(-2, -1), offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+            ).float().square().sum().backward()
+            ref_x, ref_w = x.detach().clone().requires_grad_(True), w.clone().requires_grad_(True)
+            torch._grouped_mm(ref_x, ref_w.transpose(-2, -1), offs=offs).float().square().sum().backward()
+            for got, ref in ((x.grad, ref_x.grad), (weight.grad, ref_w.grad)):
+                rel = (got.float() - ref.float()).norm() / ref.float().norm()
+                assert rel < 0.2, (rows, float(rel))  # e4m3 rounding (~5 %), not a wrong scale or layout (~100 %)
+    finally:
+        kernel.prune_configs = prune
+    assert len(misses) == 1
