@@ -51,6 +51,7 @@ COMMON = [
     "true",
 ]
 TRITON = {"TRITON_INTERPRET": "1"}
+STATIC = ["--model.segment_capacity", "4.0", "--model.packed_capacity", "4.0"]
 
 # name -> (nprocs, extra args, env); the reference holds in one micro-batch what the ranks split
 RUNS = {
@@ -92,6 +93,9 @@ RUNS = {
         ],
         None,
     ),
+    # static shapes (segment slots and packed positions) that never drop: the same function as "ref"
+    "ref_static": (1, ["--training.local_batch_size", "4", *STATIC], None),
+    "fsdp2_static": (2, ["--training.local_batch_size", "2", *STATIC], None),
     "fp8": (
         2,
         ["--training.local_batch_size", "2", "--model.converters", "float8", "--parallelism.comm_counter", "true"],
@@ -146,7 +150,7 @@ def assert_same_training(ref: Path, got: Path, rel: float = 1e-4) -> None:
 
 @pytest.mark.parametrize(
     "name, ref",
-    [("fsdp2", "ref"), ("hsdp2x2", "ref"), ("ep2_fsdp2", "ref"), ("ep2_dp2", "ref")],
+    [("fsdp2", "ref"), ("hsdp2x2", "ref"), ("ep2_fsdp2", "ref"), ("ep2_dp2", "ref"), ("fsdp2_static", "ref_static")],
 )
 def test_parallel_run_matches_one_process(runs, name, ref):
     assert_same_training(runs(ref), runs(name))
@@ -155,6 +159,12 @@ def test_parallel_run_matches_one_process(runs, name, ref):
         assert step_total(first, "all_to_all") > 0  # tokens really crossed ranks
     if name == "ep2_dp2":  # experts are FSDP-sharded over the 2 ranks that hold the same experts
         assert step_total(first, "all_gather", "core.experts") > 0
+
+
+def test_static_shapes_that_drop_nothing_train_as_counted_segments_do(runs):
+    """Segment slots and packed positions with room for every segment compute what the counted segments
+    compute (their sums run in another order)."""
+    assert_same_training(runs("ref"), runs("ref_static"))
 
 
 def test_core_all_gather_bytes_do_not_grow_with_n_loops(runs):
