@@ -5,8 +5,9 @@
 
 Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on mock data, one micro-batch of
 ``--batch`` x ``--seq`` bytes, no validation or checkpoints): ``dense_1b`` (bf16, activation checkpointing off),
-``spider_1b`` (the shipped config: bf16, Triton MoE, recurrent AC, bucket 64), ``spider_1b_static`` (the
-same with ``model.segment_capacity`` ``--capacity``: static shapes, no host sync), ``spider_1b_packed``
+``spider_1b`` (the config with dynamic shapes, as it shipped until 2026-11-27: bf16, Triton MoE, recurrent
+AC, bucket 64), ``spider_1b_static`` (the same with ``model.segment_capacity`` ``--capacity``: static
+shapes, no host sync), ``spider_1b_packed``
 (static with the capacities of ``--packed``: fewer slots per row, and the core's projections and experts on
 the batch's segments packed into fewer positions), ``spider_1b_graph`` (``spider_1b_packed``, and the
 step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
@@ -75,11 +76,23 @@ COMPONENTS = {
 }
 
 
+def dense_config(out: Path) -> Path:
+    """``CONFIG`` for the dense row, written into ``out``: everything but the [model] keys only Spider has
+    (its segment capacities), so both models share the data, optimizer and schedule of the file."""
+    from spider_titan.config.help import to_toml
+    from spider_titan.config.manager import parse_args
+
+    cfg = parse_args(["--job.config_file", str(CONFIG)], env={})
+    cfg.model.overrides = {}
+    path = Path(out) / "dense_1b.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(cfg))
+    return path
+
+
 def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(name, trainer overrides) of every row."""
-    base = [
-        "--job.config_file",
-        str(CONFIG),
+    common = [
         "--training.dataset",
         "mock",
         "--training.target_tokens",
@@ -104,18 +117,21 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "false",
     ]
     if not torch.cuda.is_available():  # CPU: fp32, the torch MoE (Triton's interpreter is minutes per step)
-        base += ["--training.mixed_precision_param", "float32", "--moe.backend", "torch"]
+        common += ["--training.mixed_precision_param", "float32", "--moe.backend", "torch"]
+    base = ["--job.config_file", str(CONFIG), *common]
     spider = [f"--model.{k}={v}" for k, v in REDUCED_SPIDER.items()] if args.reduced else []
     dense = [f"--model.{k}={v}" for k, v in REDUCED_DENSE.items()] if args.reduced else []
-    dense_row = base + ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
+    dense_row = ["--job.config_file", str(dense_config(args.out)), *common]
+    dense_row += ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
     spider += args.extra.split()
-    static = ["--model.segment_capacity", str(args.capacity)]
+    dynamic = ["--model.segment_capacity", "0", "--model.packed_capacity", "0"]  # the segments counted per batch
+    static = ["--model.segment_capacity", str(args.capacity), "--model.packed_capacity", "0"]
     slots, positions = args.packed.split(",")
     packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
     graph = ["--training.cuda_graph", "true"] if torch.cuda.is_available() else []  # a CUDA graph needs CUDA
     out = [
         ("dense_1b", dense_row + dense),
-        ("spider_1b", base + spider),
+        ("spider_1b", base + spider + dynamic),
         ("spider_1b_static", base + spider + static),
         ("spider_1b_packed", base + spider + packed),
         ("spider_1b_graph", base + spider + packed + graph),
