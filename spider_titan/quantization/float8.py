@@ -180,8 +180,8 @@ def _apply_fp8_experts(model: nn.Module, cfg: Float8) -> int:
     return len(layers)
 
 
-# Registers a thread may spend on the tile of torchao's dual scale kernel: 16 elements of each operand
-# per thread; every config past it spilled at sm_90 (ptxas -v), every config within it did not.
+# Elements of each operand's tile per thread in torchao's dual scale kernel: every config past 16
+# spilled registers at sm_90 (ptxas -v), every config within it did not.
 _DUAL_ELEMENTS_PER_THREAD = 16
 
 

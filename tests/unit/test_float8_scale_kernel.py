@@ -4,7 +4,7 @@ autotuned once however the row count moves, over configs that do not spill on sm
 torchao defines the kernel only where ``torch.utils._triton.has_triton()`` (a GPU), so a child process
 claims one and runs the kernel in Triton's interpreter; each autotune miss is counted and served by
 the first config, so nothing is benchmarked. The compile half lowers the kept configs for sm_90 on the CPU
-and reads ptxas's spill count, as tests/unit/test_triton_aot.py does for the MoE kernels.
+and reads ptxas's spill count with tests/unit/test_triton_aot.py's ``ptxas_report``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.unit.test_triton_aot import _ptxas_available
+from tests.unit.test_triton_aot import PTXAS_REPORT, _ptxas_available
 
 _PRELUDE = """
 import json, os, sys
@@ -54,10 +54,8 @@ print(json.dumps([as_torchao_keys_it, run((80, 112, 80, 144))]))
 """
 
 _SPILLS = """
-import re, subprocess, tempfile
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 all_configs = list(kernel.configs)
 kept = tune_scale_kernel_once()
@@ -77,13 +75,7 @@ for cfg in [*tiles.values(), dropped]:
     src = ASTSource(kernel.fn, dict(sig, **{k: "constexpr" for k in c}), c, {})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        out = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True)
-    stores = int(re.search(r"(\\d+) bytes spill stores", out.stderr + out.stdout).group(1))
-    rows.append(dict(config=str(cfg), kept=cfg in kept, spill_stores=stores))
+    rows.append(dict(config=str(cfg), kept=cfg in kept, spill_stores=ptxas_report(ptx, 90)["spill_stores"]))
 print(json.dumps(dict(total=len(all_configs), rows=rows)))
 """
 
@@ -93,7 +85,8 @@ def _child(body: str, interpret: bool) -> object:
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    code = textwrap.dedent(_PRELUDE) + ("import triton\n" if not interpret else "") + textwrap.dedent(body)
+    compile_half = "" if interpret else "import triton\n" + PTXAS_REPORT
+    code = textwrap.dedent(_PRELUDE) + compile_half + textwrap.dedent(body)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -129,8 +129,8 @@ def test_spider_1b_with_dynamic_shapes_reads_only_the_segment_count(tmp_path, in
 )
 def test_spider_1b_with_a_segment_capacity_reads_nothing(tmp_path, in_process, config, overrides):
     """``model.segment_capacity`` (static shapes), on every slot or packed into a fixed number of
-    positions (``packed_capacity``), as the one-GPU config ships them: not even the segment count is
-    read back."""
+    positions (``packed_capacity``), as the 1B configs ship them: not even the segment count is read
+    back."""
     sites, micro_batches, _ = count_one_step(config, tmp_path / "run", overrides)
     print("\n", config, "with", overrides, "syncs in one step:", dict(sites))
     assert set(by_file(sites)) <= {CPU_ONLY_CHECK}, sites

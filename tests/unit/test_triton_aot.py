@@ -27,14 +27,35 @@ from spider_titan.models.spider.args import SPIDER_FLAVORS
 ARCHS = (90, 100)
 ROW_DTYPES = ("bf16", "fp32")
 
+# Child-process source: ``ptxas_report(ptx, arch)``, ptxas -v run on a kernel's PTX the way Triton runs it:
+# its registers and spill bytes. Shared with tests/unit/test_float8_scale_kernel.py.
+PTXAS_REPORT = textwrap.dedent(
+    """
+    import re, subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    def ptxas_report(ptx, arch):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # removed on close
+            f.write(ptx)
+            f.flush()
+            out = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"-arch=sm_{arch}a", f.name,
+                                  "-o", "/dev/null"], capture_output=True, text=True)
+        log = out.stderr + out.stdout
+        if out.returncode:
+            raise RuntimeError(log)
+        stores, loads = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log).groups()
+        registers = int(re.search(r"Used (\\d+) registers", log).group(1))
+        return dict(registers=registers, spill_stores=int(stores), spill_loads=int(loads))
+    """
+)
+
 # Ask the child to compile ``plan`` (KernelLaunch fields as JSON) for each arch and row dtype, run
 # ptxas -v the way Triton does, and print one JSON line per compile.
-_CHILD = textwrap.dedent(
+_CHILD = PTXAS_REPORT + textwrap.dedent(
     """
-    import json, re, subprocess, sys, tempfile
+    import json, sys
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     from spider_titan.moe.kernels import expand, reduce, routing_map
     from spider_titan.moe.kernels.launch import launch_plan
@@ -78,18 +99,7 @@ _CHILD = textwrap.dedent(
                         src = ASTSource(fn, sig, launch["constexprs"], attrs)
                         ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                              options={"num_warps": launch["num_warps"]}).asm["ptx"]
-                        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # removed on close
-                            f.write(ptx)
-                            f.flush()
-                            out = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
-                                                  f"-arch=sm_{arch}a", f.name, "-o", "/dev/null"],
-                                                 capture_output=True, text=True)
-                        log = out.stderr + out.stdout
-                        if out.returncode:
-                            raise RuntimeError(log)
-                        row["registers"] = int(re.search(r"Used (\\d+) registers", log).group(1))
-                        stores, loads = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log).groups()
-                        row["spill_stores"], row["spill_loads"] = int(stores), int(loads)
+                        row.update(ptxas_report(ptx, arch))
                     except Exception as e:
                         row["error"] = f"{type(e).__name__}: {e}"[:2000]
                     print(json.dumps(row), flush=True)
