@@ -38,7 +38,9 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
   (parallel/comm_counter.py): all-gather = gathered output, reduce-scatter = input, all-to-all =
   what this rank sends, plus HSDP's all-reduce of the sharded gradient (not counted by the counter);
 * FLOPs per step from the model spec's ``flops_per_token``; step time and tokens/s at ``--mfu`` of
-  ``--peak_tflops`` (default: H100 bf16 dense 989 TFLOP/s, x2 when the float8 converter is on).
+  ``--peak_tflops`` (default: H100 bf16 dense 989 TFLOP/s, x2 when the float8 converter is on);
+* the micro-batch: the split of the rows per step with the most rows per micro-batch that fits with
+  room to spare (:func:`largest_micro_batch`), as the flags that ask for it.
 
 Not counted: CUDA context and NCCL buffers (~1-3 GiB), the caching allocator's fragmentation, the
 backward's transient activation gradients and recomputed blocks, the loss's logits gradient.
@@ -464,6 +466,7 @@ class Plan:
     ac_mode: str
     activation: ActivationMeasure
     notes: list[str]
+    accumulated_grad_bytes: int = 0  # the unsharded gradients FSDP keeps between micro-batches (any accumulation)
 
     @property
     def total_bytes(self) -> int:
@@ -555,7 +558,39 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
         ac_mode=cfg.activation_checkpoint.mode,
         activation=act,
         notes=notes,
+        accumulated_grad_bytes=sum(g.accumulated_grad_bytes for g in groups),
     )
+
+
+# What a micro-batch must leave free beside the plan: the caching allocator's fragmentation, a share
+# of the planned bytes, and the CUDA context and NCCL buffers (the upper end of "~1-3 GiB").
+ALLOCATOR_MARGIN = 0.15
+CONTEXT_GIB = 3.0
+
+
+def micro_batch_choices(plan: Plan, cfg: JobConfig) -> list[tuple[int, int, int]]:
+    """(local_batch_size, gradient_accumulation_steps, planned bytes per rank) of every split of this
+    rank's rows per step into micro-batches of equal rows (the same bytes per step). The activations
+    scale with a micro-batch's rows; FSDP keeps the accumulated gradient only with more than one."""
+    t = cfg.training
+    rows = t.local_batch_size * t.gradient_accumulation_steps
+    per_row = plan.memory["activations"] / t.local_batch_size
+    fixed = plan.total_bytes - plan.memory["activations"] - plan.memory.get("accumulated gradients", 0)
+    out = []
+    for local in (n for n in range(1, rows + 1) if rows % n == 0):
+        accum = rows // local
+        out.append((local, accum, round(fixed + local * per_row + (plan.accumulated_grad_bytes if accum > 1 else 0))))
+    return out
+
+
+def largest_micro_batch(plan: Plan, cfg: JobConfig) -> tuple[int, int, int] | None:
+    """The split of :func:`micro_batch_choices` with the most rows per micro-batch that fits with
+    ``ALLOCATOR_MARGIN`` and ``CONTEXT_GIB`` to spare, or None. A step that is not one CUDA graph waits
+    on its host, whose launches per micro-batch do not grow with its rows
+    (tests/integration/test_launches_per_batch.py), and the grouped expert GEMMs get more rows."""
+    budget = plan.gpu_memory_bytes - CONTEXT_GIB * GIB
+    fits = [c for c in micro_batch_choices(plan, cfg) if c[2] * (1 + ALLOCATOR_MARGIN) <= budget]
+    return max(fits) if fits else None
 
 
 def expert_all_to_all_bytes(cfg: JobConfig, args, segments: int, dtype: torch.dtype) -> dict[str, int]:
@@ -612,10 +647,29 @@ def format_plan(plan: Plan, cfg: JobConfig) -> str:
         f"{plan.mfu:.0%} of {plan.peak_flops / 1e12:.0f} TFLOP/s: {plan.step_time_s:.2f} s/step, "
         f"{plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_s / plan.ngpu:,.0f} per GPU)"
     )
+    lines.append("")
+    lines.append(micro_batch_line(plan, cfg))
     for note in plan.notes:
         lines.append(f"note: {note}")
     lines.append(verdict(plan))
     return "\n".join(lines)
+
+
+def micro_batch_line(plan: Plan, cfg: JobConfig) -> str:
+    """What :func:`largest_micro_batch` picks, as the flags that ask for it."""
+    t = cfg.training
+    spare = f"with {ALLOCATOR_MARGIN:.0%} and {CONTEXT_GIB:.0f} GiB to spare"
+    pick = largest_micro_batch(plan, cfg)
+    if pick is None:
+        return f"micro-batch  none of {t.local_batch_size * t.gradient_accumulation_steps} rows per step fits {spare}"
+    local, accum, nbytes = pick
+    size = f"{local} x {t.seq_len}, accumulation {accum} ({nbytes / GIB:.1f} GiB planned)"
+    if (local, accum) == (t.local_batch_size, t.gradient_accumulation_steps):
+        return f"micro-batch  the config's, {size}, is the largest that fits {spare}"
+    return (
+        f"micro-batch  the largest that fits {spare}: {size}; the same bytes per step, fewer launches per step: "
+        f"--training.local_batch_size {local} --training.gradient_accumulation_steps {accum}"
+    )
 
 
 def verdict(plan: Plan) -> str:

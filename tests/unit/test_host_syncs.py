@@ -115,7 +115,7 @@ def test_spider_1b_with_dynamic_shapes_reads_only_the_segment_count(tmp_path, in
     print("\nspider_1b, syncs in one step:", dict(sites))
     files = by_file(sites)
     assert set(files) <= {SEGMENT_COUNT, CPU_ONLY_CHECK}, sites
-    assert files[SEGMENT_COUNT] == micro_batches == 2  # the config accumulates 2 micro-batches
+    assert files[SEGMENT_COUNT] == micro_batches == 1  # the config takes one micro-batch per step
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from spider_titan.components.builder import build_model, materialize
 from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.metrics.memory import count_live_activation_bytes
-from spider_titan.plan import GIB, PlanOptions, main, make_plan, measure_activation_bytes, parse_plan_args
+from spider_titan.plan import (
+    GIB,
+    PlanOptions,
+    largest_micro_batch,
+    main,
+    make_plan,
+    measure_activation_bytes,
+    parse_plan_args,
+)
 from tests.utils import REPO
 
 B, T = 2, 128
@@ -112,7 +122,7 @@ def test_cli_reports_a_config_problem_in_one_line(capsys):
 
 def test_1b_plan_at_8_gpus_is_in_the_hand_estimate_range_and_fits():
     config = ["--job.config_file", str(REPO / "train_configs" / "spider_1b.toml")]
-    # the hand estimate's micro-batch, 4 x 4096 bytes with 4 accumulated (the config ships 8 x 2)
+    # the hand estimate's micro-batch, 4 x 4096 bytes with 4 accumulated (the config ships 16 x 1)
     cfg = parse_args(
         [*config, "--training.local_batch_size", "4", "--training.gradient_accumulation_steps", "4"],
         env={"WORLD_SIZE": "8"},
@@ -138,8 +148,17 @@ def test_1b_plan_at_8_gpus_is_in_the_hand_estimate_range_and_fits():
 
     assert verdict(small).startswith("DOES NOT FIT") and "at activations" in verdict(small)
     assert 'activation_checkpoint.mode = "full"' in verdict(small)  # the config already checkpoints "recurrent"
-    # as shipped, 8 rows per micro-batch: twice the activations, the rest unchanged, well inside 80 GiB
-    shipped = make_plan(parse_args(config, env={"WORLD_SIZE": "8"}), PlanOptions(ngpu=8))
-    assert shipped.memory["activations"] == pytest.approx(2 * m["activations"], rel=0.02)
-    assert shipped.total_bytes - shipped.memory["activations"] == pytest.approx(plan.total_bytes - m["activations"])
-    assert shipped.total_bytes / GIB < 32
+    # the largest micro-batch with room to spare on 80 GiB, estimated from the 4 x 4 plan, is what the
+    # config ships, 16 x 1; its own plan (the reference) agrees: 4x the activations, no accumulated
+    # gradients, the rest unchanged
+    local, accum, estimate = largest_micro_batch(plan, cfg)
+    shipped_cfg = parse_args(config, env={"WORLD_SIZE": "8"})
+    assert (local, accum) == (shipped_cfg.training.local_batch_size, shipped_cfg.training.gradient_accumulation_steps)
+    shipped = make_plan(shipped_cfg, PlanOptions(ngpu=8))
+    assert (local, accum) == (16, 1) and largest_micro_batch(shipped, shipped_cfg)[:2] == (16, 1)
+    assert shipped.memory["activations"] == pytest.approx(4 * m["activations"], rel=0.02)
+    assert "accumulated gradients" not in shipped.memory
+    assert estimate == pytest.approx(shipped.total_bytes, rel=0.01)
+    # less memory, a smaller micro-batch: at 40 GiB 16 rows no longer fit with the margin, 8 do
+    assert largest_micro_batch(dataclasses.replace(plan, gpu_memory_bytes=40 * GIB), cfg)[:2] == (8, 2)
+    assert largest_micro_batch(dataclasses.replace(plan, gpu_memory_bytes=4 * GIB), cfg) is None
