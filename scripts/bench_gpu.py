@@ -9,7 +9,9 @@ Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on moc
 AC, bucket 64), ``spider_1b_static`` (the same with ``model.segment_capacity`` ``--capacity``: static
 shapes, no host sync), ``spider_1b_packed``
 (static with the capacities of ``--packed``: fewer slots per row, and the core's projections and experts on
-the batch's segments packed into fewer positions), ``spider_1b_graph`` (``spider_1b_packed``, and the
+the batch's segments packed into fewer positions), ``spider_1b_shipped`` (the config as it ships: its
+static shapes and its micro-batch of 16 rows, which ``--batch`` does not change; one GPU, no FSDP),
+``spider_1b_graph`` (``spider_1b_packed``, and the
 step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
 rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
 skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts at steady-state
@@ -31,6 +33,7 @@ once it has used its time budget (``--budget_s``), so a slow row cannot eat the 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -90,6 +93,13 @@ def dense_config(out: Path) -> Path:
     return path
 
 
+def shipped_rows() -> int:
+    """``CONFIG``'s rows per micro-batch (what ``python -m spider_titan.plan`` picked for it)."""
+    from spider_titan.config.manager import parse_args
+
+    return parse_args(["--job.config_file", str(CONFIG)], env={}).training.local_batch_size
+
+
 def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(name, trainer overrides) of every row."""
     common = [
@@ -134,6 +144,8 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("spider_1b", base + spider + dynamic),
         ("spider_1b_static", base + spider + static),
         ("spider_1b_packed", base + spider + packed),
+        # the 8-GPU config's shapes and micro-batch as shipped, on one GPU (no FSDP)
+        ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped_rows())]),
         ("spider_1b_graph", base + spider + packed + graph),
     ]
     if not graph:
@@ -645,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 (a row that breaks mid-run, e.g. out of memory, is reported)
             report["rows"][name] = {"skipped": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             logging.getLogger("spider_titan").exception("row %s failed", name)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        if torch.cuda.is_available():  # the next row starts from an empty cache, not this row's blocks
+            gc.collect()
+            torch.cuda.empty_cache()
         (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))  # what finished survives a later crash
     rows_done = report["rows"]
     dense = rows_done.get("dense_1b", {}).get("bytes_per_s")

@@ -45,7 +45,10 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     report = json.loads((tmp_path / "gpu_1b.json").read_text())
     table = (tmp_path / "gpu_1b.md").read_text()
     rows = report["rows"]
-    assert set(rows) == {"dense_1b", "spider_1b", "spider_1b_static", "spider_1b_packed", "no_ac"}
+    assert set(rows) == {"dense_1b", "spider_1b", "spider_1b_static", "spider_1b_packed", "spider_1b_shipped", "no_ac"}
+    # the shipped row keeps the config's shapes and micro-batch whatever --batch says
+    shipped = (tmp_path / "spider_1b_shipped" / "config.toml").read_text()
+    assert "local_batch_size = 16" in shipped and "packed_capacity = 1.35" in shipped, shipped
     # a variant is spider_1b_static with its flags
     variant = (tmp_path / "no_ac" / "config.toml").read_text()
     assert 'mode = "none"' in variant and "segment_capacity = 1.5" in variant, variant
@@ -63,7 +66,7 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     ), ranges
     assert abs(sum(spider["flops_share"].values()) - 1.0) < 0.02, spider["flops_share"]
     assert report["spider_over_dense_bytes_per_s"] > 0
-    assert set(report["over_dense_bytes_per_s"]) == {"spider_1b", "spider_1b_static", "spider_1b_packed", "no_ac"}
+    assert set(report["over_dense_bytes_per_s"]) == set(rows) - {"dense_1b"}
     assert "spider_1b_static / dense_1b bytes/s:" in table
     # static shapes: at steady state (4 bytes per segment) capacity 1.5 drops nothing
     assert rows["spider_1b_static"]["segments_dropped"] == 0.0 and "segments_dropped" not in spider
