@@ -55,22 +55,23 @@ def test_fp8_tracks_high_precision_over_30_steps(tmp_path):
     assert fp8[-1] == pytest.approx(ref[-1], rel=0.02)
 
 
-# (MoE backend, balancing, n_loops, activation checkpointing, segment capacity): both backends, both
+# (MoE backend, balancing, n_loops, activation checkpointing, (segment, packed) capacity): both backends, both
 # balancing modes ("both" is aux-loss and aux-free together), more loops than the default (a loop index
 # traced as a Python int would recompile once per loop), the 1B configs' recurrent AC (the load counts
-# are mutated inside its checkpoint), and static shapes (a segment capacity) beside counted segments.
+# are mutated inside its checkpoint), and static shapes as the 1B configs ship them (segment slots, the
+# core packed into a fixed number of positions) beside counted segments.
 # The Triton case runs its kernels in Triton's interpreter, seconds a step: 8 steps (5 at 1e-5, the
 # acceptance of issue 39, and 3 more of drift); the torch case keeps 12.
 COMPILE_CASES = [
-    ("triton", "aux_loss", 2, "none", 0.0, 8),
-    ("torch", "both", 3, "recurrent", 1.5, 12),
+    ("triton", "aux_loss", 2, "none", (0.0, 0.0), 8),
+    ("torch", "both", 3, "recurrent", (1.5, 1.35), 12),
 ]
 
 
 @pytest.mark.parametrize(
     "backend, balance, n_loops, ac, capacity, steps",
     COMPILE_CASES,
-    ids=["-".join(map(str, c[:-1])) for c in COMPILE_CASES],
+    ids=["triton-aux_loss-2-none-dynamic", "torch-both-3-recurrent-static"],
 )
 def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, capacity, steps, tmp_path):
     """Every block compiled with fullgraph=True (inductor on CPU), 8-12 steps whose segment counts vary
@@ -94,7 +95,9 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
         "--model.n_loops",
         str(n_loops),
         "--model.segment_capacity",
-        str(capacity),
+        str(capacity[0]),
+        "--model.packed_capacity",
+        str(capacity[1]),
         "--activation_checkpoint.mode",
         ac,
         "--validation.enable",
