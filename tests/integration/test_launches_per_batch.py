@@ -3,7 +3,7 @@
 A step that waits on its host (no CUDA graph: every multi-GPU run) costs about as many host
 launches per micro-batch whatever the micro-batch holds, so a larger micro-batch buys more bytes per
 launch; the shipped 8-GPU configs rely on that (docs/benchmarks.md). The debug flavor with static
-shapes, eager, one profiled step at 2 and at 8 rows: the kernels a GPU would launch
+shapes (64-byte rows), eager, one profiled step at 2 and at 8 rows: the kernels a GPU would launch
 (scripts/bench_gpu.py's count) must be the same. The control computes one part row by row, as a
 Python loop over samples would, and its count grows with the rows.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spider_titan.models.spider.segmentation import Chunker
-from tests.utils import REPO
+from tests.utils import REPO, TINY_SPIDER
 
 
 def _launches(tmp_path, batch: int) -> int:
@@ -23,26 +23,17 @@ def _launches(tmp_path, batch: int) -> int:
     from spider_titan.train import Trainer
 
     argv = [
-        "--job.config_file",
-        "train_configs/debug_model.toml",
-        "--training.dataset",
-        "mock",
-        "--training.steps",
-        "2",
+        *TINY_SPIDER,
         "--training.local_batch_size",
         str(batch),
-        "--training.compile",
-        "false",
+        "--training.steps",
+        "2",
         "--model.segment_capacity",
         "2.0",
         "--model.packed_capacity",
         "1.5",
         "--optimizer.implementation",  # what `auto` takes on a GPU
         "fused",
-        "--validation.enable",
-        "false",
-        "--metrics.enable_tensorboard",
-        "false",
         "--metrics.enable_jsonl",
         "false",
         "--checkpoint.export_at_end",
