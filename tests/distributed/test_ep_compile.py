@@ -5,8 +5,9 @@ they are unbacked symbols, and inductor used to fail lowering ``x_exp[:n_send]``
 (``GuardOnDataDependentSymNode``) at step 1. Each case is a 2-rank gloo CLI run, compiled and
 eager, with the smallest config that still routes tokens across ranks (seq 64, 2 sequences per
 rank, 3 steps) and the static shapes the EP config ships (segment slots, the core packed). Step 1
-(same weights, same batch: only the kernels differ) must agree within 1e-4 in loss; the gradient norms within 1e-4 in fp32 and 1e-3 with float8 (inductor fuses the fp8 scale
-arithmetic, which moves the norm by ~1e-4 relative). From step 2 on, the loss too gets float8's 1e-3 and
+(same weights, same batch: only the kernels differ) must agree within 1e-4 in loss; the gradient
+norms within 1e-4 in fp32 and 1e-3 with float8 (inductor fuses the fp8 scale arithmetic, which moves
+the norm by ~1e-4 relative). From step 2 on, the loss too gets float8's 1e-3 and
 the gradient norm 5e-3: AdamW turns those last-bit gradient differences into update differences of up to
 the learning rate on parameters whose gradient is near zero. Measured with H-Net's path (the default since
 2026-11-26): step 1 equal to the last digit, the same segmentation at every step, and the loss 1.3e-4 /
