@@ -79,25 +79,24 @@ COMPONENTS = {
 }
 
 
+def shipped_config():
+    """``CONFIG`` as it ships, parsed (a fresh copy per call)."""
+    from spider_titan.config.manager import parse_args
+
+    return parse_args(["--job.config_file", str(CONFIG)], env={})
+
+
 def dense_config(out: Path) -> Path:
     """``CONFIG`` for the dense row, written into ``out``: everything but the [model] keys only Spider has
     (its segment capacities), so both models share the data, optimizer and schedule of the file."""
     from spider_titan.config.help import to_toml
-    from spider_titan.config.manager import parse_args
 
-    cfg = parse_args(["--job.config_file", str(CONFIG)], env={})
+    cfg = shipped_config()
     cfg.model.overrides = {}
     path = Path(out) / "dense_1b.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_toml(cfg))
     return path
-
-
-def shipped_rows() -> int:
-    """``CONFIG``'s rows per micro-batch (what ``python -m spider_titan.plan`` picked for it)."""
-    from spider_titan.config.manager import parse_args
-
-    return parse_args(["--job.config_file", str(CONFIG)], env={}).training.local_batch_size
 
 
 def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -131,6 +130,7 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     base = ["--job.config_file", str(CONFIG), *common]
     spider = [f"--model.{k}={v}" for k, v in REDUCED_SPIDER.items()] if args.reduced else []
     dense = [f"--model.{k}={v}" for k, v in REDUCED_DENSE.items()] if args.reduced else []
+    shipped = shipped_config()
     dense_row = ["--job.config_file", str(dense_config(args.out)), *common]
     dense_row += ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
     spider += args.extra.split()
@@ -144,8 +144,8 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("spider_1b", base + spider + dynamic),
         ("spider_1b_static", base + spider + static),
         ("spider_1b_packed", base + spider + packed),
-        # the 8-GPU config's shapes and micro-batch as shipped, on one GPU (no FSDP)
-        ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped_rows())]),
+        # the 8-GPU config's shapes and micro-batch (the planner's pick) as shipped, on one GPU (no FSDP)
+        ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped.training.local_batch_size)]),
         ("spider_1b_graph", base + spider + packed + graph),
     ]
     if not graph:
