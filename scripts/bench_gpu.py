@@ -346,25 +346,37 @@ KERNEL_KINDS = (
     ),
 )
 SMALL_KERNEL_US = 10  # a kernel shorter than this is mostly launch latency and tail
+KIND_TOP = 6  # kernels named per kind
 
 
 def kernel_kinds(kernels: list[tuple[str, int]]) -> dict[str, dict]:
     """GPU time and count per kind of kernel (``KERNEL_KINDS``; the rest ``other``) of (name, ns)
     pairs, plus ``small``: the kernels under ``SMALL_KERNEL_US``, whatever their kind (the tail that
-    fusion or a graph, not a faster GEMM, would shorten)."""
+    fusion or a graph, not a faster GEMM, would shorten). Each kind also names its ``KIND_TOP`` kernels
+    by time, as [name, ms, count], so a kind's time can be traced to the code that launches it."""
     out: dict[str, dict] = {}
+    names: dict[str, Counter] = {}
 
-    def add(kind: str, ns: int) -> None:
+    def add(kind: str, name: str, ns: int) -> None:
         entry = out.setdefault(kind, {"n": 0, "ms": 0.0})
         entry["n"] += 1
         entry["ms"] += ns / 1e6
+        names.setdefault(kind, Counter())[name[:100]] += ns
 
+    counts = Counter(name[:100] for name, _ in kernels)
     for name, ns in kernels:
         low = name.lower()
-        add(next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other"), ns)
+        add(next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other"), name, ns)
         if ns < SMALL_KERNEL_US * 1000:
-            add("small", ns)
-    return {k: {"n": v["n"], "ms": round(v["ms"], 3)} for k, v in sorted(out.items(), key=lambda kv: -kv[1]["ms"])}
+            add("small", name, ns)
+    return {
+        k: {
+            "n": v["n"],
+            "ms": round(v["ms"], 3),
+            "top": [[name, round(ns / 1e6, 3), counts[name]] for name, ns in names[k].most_common(KIND_TOP)],
+        }
+        for k, v in sorted(out.items(), key=lambda kv: -kv[1]["ms"])
+    }
 
 
 def host_events(prof) -> list:

@@ -145,3 +145,9 @@ def test_kernels_are_summed_by_kind(monkeypatch):
     }
     assert kinds["grouped_gemm"]["ms"] == 2.0 and kinds["small"]["ms"] == 0.013
     assert list(kinds)[0] == "grouped_gemm"  # by time, largest first
+    assert kinds["other"]["top"] == [["ncclDevKernel_AllGather_RING_LL", 0.05, 1]]
+    assert [name for name, _, _ in kinds["small"]["top"]] == [  # each short kernel, longest first
+        "_expand_kernel",
+        "triton_poi_fused__to_copy__unsafe_view_add_cat_expand_mul",
+        "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda>",
+    ]
