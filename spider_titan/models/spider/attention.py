@@ -34,20 +34,42 @@ from spider_titan.models.spider.args import SpiderArgs
 Adapter = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (m,) of x (n, ...), where index n reads a row of zeros."""
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, index)
+
+
+class _Regather(torch.autograd.Function):
+    """``_gather_rows(x, index)`` for an ``index`` that reads each row of x at most once, ``inverse``
+    mapping x's rows to where they went (or past the output: not read). The gradient gathers through
+    ``inverse`` too, where autograd's own would zero-fill and scatter (atomic adds on a GPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return _gather_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return _gather_rows(grad, inverse), None, None
+
+
 class PackedRows(NamedTuple):
     """Where the N positions of a packed row sit in a padded (B, S) batch: ``index`` (N,) int64, flat
-    slots ``b * S + s`` in increasing order; ``valid`` (B, S) bool, True at those slots. ``spare``: a
-    fixed N (:meth:`fixed`), whose positions past the real ones are ``index = B * S``, a spare zero slot
-    after the batch that packs as zeros and unpacks nowhere."""
+    slots ``b * S + s`` in increasing order; ``valid`` (B, S) bool, True at the slots packed;
+    ``position`` (B * S,) int64, each slot's packed position, N where it has none. Past the real
+    slots a fixed N (:meth:`fixed`) has spare positions, ``index = B * S``: they pack as zeros and pad
+    nowhere. Packing and padding are gathers both ways, forward and backward."""
 
     index: torch.Tensor
     valid: torch.Tensor
-    spare: bool = False
+    position: torch.Tensor
 
     @classmethod
     def of(cls, valid: torch.Tensor, count: int) -> PackedRows:
         """From the (B, S) mask and its number of True slots (a host int: no sync here)."""
-        return cls(torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1), valid)
+        return cls(torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1), valid, _positions(valid, count))
 
     @classmethod
     def fixed(cls, valid: torch.Tensor, size: int) -> PackedRows:
@@ -55,27 +77,22 @@ class PackedRows(NamedTuple):
         fewer (a static shape; no host read); ``valid`` then marks the slots packed."""
         flat = valid.reshape(-1)
         index = torch.nonzero_static(flat, size=size, fill_value=flat.numel()).squeeze(1)
-        kept = torch.zeros(flat.numel() + 1, dtype=torch.bool, device=valid.device).index_fill(0, index, True)
-        return cls(index, kept[:-1].view_as(valid), True)
-
-    def _flat(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, ...) -> (B * S, ...), with the spare zero slot after it when there is one."""
-        flat = x.flatten(0, 1)
-        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])]) if self.spare else flat
+        kept = flat & (flat.cumsum(0) <= size)  # the first `size` True slots
+        return cls(index, kept.view_as(valid), _positions(kept, size))
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (1, N, ...)"""
-        return self._flat(x).index_select(0, self.index).unsqueeze(0)
-
-    def unpack(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """(1, N, ...) -> (B, S, ...): ``into`` (B, S, ...) with its valid slots replaced by x (out of place)."""
-        out = self._flat(into).index_copy(0, self.index, x.squeeze(0))
-        return (out[:-1] if self.spare else out).view_as(into)
+        return _Regather.apply(x.flatten(0, 1), self.index, self.position).unsqueeze(0)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) -> (B, S, ...), zeros in the padding."""
-        B, S = self.valid.shape
-        return self.unpack(x, x.new_zeros(B, S, *x.shape[2:]))
+        return _Regather.apply(x.squeeze(0), self.position, self.index).view(*self.valid.shape, *x.shape[2:])
+
+
+def _positions(kept: torch.Tensor, n: int) -> torch.Tensor:
+    """Each slot's position among the ``n`` packed ones (flat order), ``n`` where it is not packed."""
+    flat = kept.reshape(-1)
+    return torch.where(flat, flat.cumsum(0) - 1, n)
 
 
 class KVCache:

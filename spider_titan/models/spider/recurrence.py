@@ -430,6 +430,7 @@ class RecurrentCore(nn.Module):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
                 if packed is not None:
                     torch._dynamo.maybe_mark_dynamic(packed.index, 0)
+                    torch._dynamo.maybe_mark_dynamic(packed.position, 0)
                     torch._dynamo.maybe_mark_dynamic(packed.valid, 1)
                 h, aux_sum, counts = self.run_loop(
                     h,
