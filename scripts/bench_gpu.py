@@ -347,6 +347,7 @@ KERNEL_KINDS = (
 )
 SMALL_KERNEL_US = 10  # a kernel shorter than this is mostly launch latency and tail
 KIND_TOP = 6  # kernels named per kind
+MIN_ROW_S = 20  # no row starts with less of the run's time left (--total_s)
 
 
 def kernel_kinds(kernels: list[tuple[str, int]]) -> dict[str, dict]:
@@ -463,13 +464,14 @@ def _containing(ranges: list[tuple[int, int, str]], at: int | None) -> set[str]:
     return {name for start, stop, name in ranges if start <= at <= stop}
 
 
-def run_row(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
+def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: float) -> dict:
+    """One row: build its trainer, warm the router, time its steps until ``budget`` seconds (compile
+    included) have passed, and profile one more step if time is left."""
     from spider_titan.config.manager import parse_args
     from spider_titan.metrics.logger import peak_flops
     from spider_titan.train import Trainer
 
     total_steps = args.warmup + args.steps + 1
-    budget = args.fp8_budget_s if name.endswith("fp8") else args.budget_s  # fp8 compiles for longer
     argv = overrides + ["--training.steps", str(total_steps), "--job.dump_folder", str(Path(args.out) / name)]
     started = time.perf_counter()
     try:
@@ -654,6 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         default=220.0,
         help="the fp8 row's budget (220: its compile took 146 s on an H200)",
     )
+    p.add_argument(
+        "--total_s",
+        type=float,
+        default=450.0,
+        help="seconds for all rows together (450: the issue's 8 minutes with start-up); a row gets at most what "
+        "is left, and none starts with under 20 s left",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -661,11 +670,17 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"machine": machine(), "args": vars(args), "rows": {}}
     chosen = [r for r in args.rows.split(",") if r]
+    deadline = time.perf_counter() + args.total_s
     for name, overrides in rows(args):
         if chosen and name not in chosen:
             continue
+        left = deadline - time.perf_counter()
+        if left < MIN_ROW_S:
+            report["rows"][name] = {"skipped": f"the run's {args.total_s:g} s (--total_s) were spent"}
+            continue
+        budget = args.fp8_budget_s if name.endswith("fp8") else args.budget_s  # fp8 compiles for longer
         try:
-            report["rows"][name] = run_row(name, overrides, args)
+            report["rows"][name] = run_row(name, overrides, args, min(budget, left))
         except Exception as e:  # noqa: BLE001 (a row that breaks mid-run, e.g. out of memory, is reported)
             report["rows"][name] = {"skipped": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             logging.getLogger("spider_titan").exception("row %s failed", name)

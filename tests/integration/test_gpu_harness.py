@@ -7,6 +7,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -74,6 +75,27 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     packed = rows["spider_1b_packed"]
     assert packed["flops_per_byte"] < rows["spider_1b_static"]["flops_per_byte"], packed
     assert 0.0 <= packed["segments_dropped"] < 0.1, packed
+
+
+def test_the_run_stops_at_its_total_budget(tmp_path, in_process, monkeypatch):
+    """--total_s bounds the whole run: a row gets at most the time left, and none starts with under
+    20 s left (here: the first row takes the 21 s given, and the others are skipped and say why)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    bench_gpu = importlib.import_module("bench_gpu")
+    budgets = []
+
+    def row(name, overrides, args, budget):
+        budgets.append(budget)
+        time.sleep(1.5)  # a row that takes the time it is given down to under MIN_ROW_S
+        return {"bytes_per_s": 1.0}
+
+    monkeypatch.setattr(bench_gpu, "run_row", row)
+    argv = ["--reduced", "--no_fp8", "--total_s", "21", "--out", str(tmp_path)]
+    assert bench_gpu.main(argv) == 0
+    rows = json.loads((tmp_path / "gpu_1b.json").read_text())["rows"]
+    assert len(budgets) == 1 and 20 < budgets[0] <= 21 and rows["dense_1b"] == {"bytes_per_s": 1.0}
+    skipped = [name for name, r in rows.items() if "--total_s" in r.get("skipped", "")]
+    assert skipped == [name for name in rows if name != "dense_1b"] and len(skipped) == 4, rows
 
 
 def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
