@@ -162,3 +162,14 @@ def test_1b_plan_at_8_gpus_is_in_the_hand_estimate_range_and_fits():
     # less memory, a smaller micro-batch: at 40 GiB 16 rows no longer fit with the margin, 8 do
     assert largest_micro_batch(dataclasses.replace(plan, gpu_memory_bytes=40 * GIB), cfg)[:2] == (8, 2)
     assert largest_micro_batch(dataclasses.replace(plan, gpu_memory_bytes=4 * GIB), cfg) is None
+
+
+def test_the_1gpu_config_is_the_planners_pick_and_its_plan_matches_the_h200():
+    """spider_1b_1gpu.toml ships the largest micro-batch the planner finds room for on one 80 GiB GPU,
+    and its plan is within 10 % of the peak an H200 measured for the same shapes (run C of
+    docs/benchmarks.md, row spider_1b_shipped: 16 x 4096, recurrent checkpointing, no FSDP, 56.08 GiB)."""
+    cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "spider_1b_1gpu.toml")])
+    plan = make_plan(cfg, PlanOptions(ngpu=1))
+    assert largest_micro_batch(plan, cfg)[:2] == (cfg.training.local_batch_size, cfg.training.gradient_accumulation_steps)
+    assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode) == (16, "recurrent")
+    assert plan.total_bytes / GIB == pytest.approx(56.08, rel=0.10)
