@@ -27,7 +27,9 @@ forward (named ranges ``spider.*``: byte blocks, segmentation and pooling, core,
 optimizer step) beside its share of the FLOPs. A timed step slower than 2x the median is listed with
 what happened during it (``slow_steps``: dynamo recompiles, Triton JIT compiles of the MoE kernels, the
 CUDA allocator's new allocations and retries), so a stall names its cause. A row stops taking steps
-once it has used its time budget (``--budget_s``), so a slow row cannot eat the run.
+once it has used its time budget (``--budget_s``), so a slow row cannot eat the run, and the whole run
+stops at ``--total_s``. The rows run most telling first: dense, graph, shipped, fp8, packed, static,
+dynamic, then the variants.
 """
 
 from __future__ import annotations
@@ -139,23 +141,24 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     slots, positions = args.packed.split(",")
     packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
     graph = ["--training.cuda_graph", "true"] if torch.cuda.is_available() else []  # a CUDA graph needs CUDA
+    fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
+    # the order they run in, most telling first, so that --total_s cuts the references of earlier runs
     out = [
         ("dense_1b", dense_row + dense),
-        ("spider_1b", base + spider + dynamic),
-        ("spider_1b_static", base + spider + static),
-        ("spider_1b_packed", base + spider + packed),
+        ("spider_1b_graph", base + spider + packed + graph),
         # the 8-GPU config's shapes and micro-batch (the planner's pick) as shipped, on one GPU (no FSDP)
         ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped.training.local_batch_size)]),
-        ("spider_1b_graph", base + spider + packed + graph),
+        ("spider_1b_fp8", base + spider + packed + graph + fp8),
+        ("spider_1b_packed", base + spider + packed),
+        ("spider_1b_static", base + spider + static),
+        ("spider_1b", base + spider + dynamic),
     ]
-    if not graph:
-        out.pop()
+    skip = {"spider_1b_graph"} if not graph else set()
+    skip |= {"spider_1b_fp8"} if args.no_fp8 else set()
+    out = [(name, flags) for name, flags in out if name not in skip]
     for variant in args.variant:  # NAME=FLAGS: spider_1b_static with more flags
         name, _, flags = variant.partition("=")
         out.append((name, base + spider + static + flags.split()))
-    if not args.no_fp8:
-        fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
-        out.append(("spider_1b_fp8", base + spider + packed + graph + fp8))
     return out
 
 
