@@ -250,6 +250,35 @@ def attention(args: argparse.Namespace) -> dict:
     return out
 
 
+@scenario("packed_rows")
+def packed_rows(args: argparse.Namespace) -> dict:
+    """The core attention's layout changes at the 1B shapes: q, k (16 x 192) and v (16 x 128) padded from
+    packed positions to (B, S) slots and the output (16 x 128) packed back, compiled, forward+backward.
+    4 rows of 4096 bytes at 4 bytes per segment: 1.3 slots and 1.15 packed positions (the harness's
+    --packed), 95 % of the slots real."""
+    from spider_titan.models.spider.args import SPIDER_FLAVORS
+    from spider_titan.models.spider.attention import PackedRows
+
+    a = SPIDER_FLAVORS["1B"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    qk, vd, h = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim, a.n_heads
+    rows, segments = 4, 4096 // 4
+    slots, positions = int(1.3 * segments), int(1.15 * segments) * rows
+    g = torch.Generator().manual_seed(0)
+    packed = PackedRows.fixed((torch.rand(rows, slots, generator=g) < 0.95).to(device), positions)
+
+    def step(q, k, v):
+        q, k, v = packed.pad(q), packed.pad(k), packed.pad(v)
+        return (packed.pack(q[..., :vd] * k[..., :vd] + v) * 1.5).float().sum()  # stands in for attention
+
+    q, k = (torch.randn(1, positions, h, qk, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, positions, h, vd, device=device, dtype=dtype, requires_grad=True)
+    compiled = torch.compile(step)
+    t = statistics.median(_timed(lambda: compiled(q, k, v).backward(), repeats=args.steps, warmup=args.warmup, device=device))
+    return {"shapes": f"{rows} rows x {slots} slots, {positions} positions, {h} heads, {dtype}", "ms_fwd_bwd": round(1e3 * t, 2)}
+
+
 @scenario("pooling_memory")
 def pooling_memory(args: argparse.Namespace) -> dict:
     """Spider's segment pooling (downsample + upsample) at T 4096, dim 2048, fp32: bytes alive after

@@ -35,8 +35,11 @@ Adapter = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` (m,) of x (n, ...), where index n reads a row of zeros."""
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, index)
+    """Rows ``index`` (m,) of x (n, ...), where index n reads a row of zeros (one gather under
+    compile: no copy of x with a zero row appended)."""
+    n = x.shape[0]
+    inside = (index < n).view(-1, *(1,) * (x.dim() - 1))
+    return torch.where(inside, x.index_select(0, index.clamp(max=n - 1)), 0)
 
 
 class _Regather(torch.autograd.Function):
