@@ -275,8 +275,13 @@ def packed_rows(args: argparse.Namespace) -> dict:
     q, k = (torch.randn(1, positions, h, qk, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     v = torch.randn(1, positions, h, vd, device=device, dtype=dtype, requires_grad=True)
     compiled = torch.compile(step)
-    t = statistics.median(_timed(lambda: compiled(q, k, v).backward(), repeats=args.steps, warmup=args.warmup, device=device))
-    return {"shapes": f"{rows} rows x {slots} slots, {positions} positions, {h} heads, {dtype}", "ms_fwd_bwd": round(1e3 * t, 2)}
+    t = statistics.median(
+        _timed(lambda: compiled(q, k, v).backward(), repeats=args.steps, warmup=args.warmup, device=device)
+    )
+    return {
+        "shapes": f"{rows} rows x {slots} slots, {positions} positions, {h} heads, {dtype}",
+        "ms_fwd_bwd": round(1e3 * t, 2),
+    }
 
 
 @scenario("pooling_memory")

@@ -170,6 +170,9 @@ def test_the_1gpu_config_is_the_planners_pick_and_its_plan_matches_the_h200():
     docs/benchmarks.md, row spider_1b_shipped: 16 x 4096, recurrent checkpointing, no FSDP, 56.08 GiB)."""
     cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "spider_1b_1gpu.toml")])
     plan = make_plan(cfg, PlanOptions(ngpu=1))
-    assert largest_micro_batch(plan, cfg)[:2] == (cfg.training.local_batch_size, cfg.training.gradient_accumulation_steps)
+    assert largest_micro_batch(plan, cfg)[:2] == (
+        cfg.training.local_batch_size,
+        cfg.training.gradient_accumulation_steps,
+    )
     assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode) == (16, "recurrent")
     assert plan.total_bytes / GIB == pytest.approx(56.08, rel=0.10)
