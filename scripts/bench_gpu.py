@@ -21,7 +21,9 @@ per segment from the first, not the 16-byte cap an untrained predictor starts at
 
 Per row: bytes/s, TFLOP/s and MFU by the trainer's own FLOPs count (Spider's ``aux["flops_per_byte"]``:
 the segments and loops actually run), peak memory, compile time (the first step), recompiles with
-their reasons, the slowest step against the median, and from one profiled step the kernels launched
+their reasons, the slowest step against the median, bytes/s with the steps run back to back
+(``run_ahead_bytes_per_s``: the timed steps each wait to read their loss, the trainer's loop does not),
+and from one profiled step the kernels launched
 (CPU: the ops dispatched), the device-busy fraction, the top kernels, and the time of each part of the
 forward (named ranges ``spider.*``: byte blocks, segmentation and pooling, core, dechunk and head; the
 optimizer step) beside its share of the FLOPs. A timed step slower than 2x the median is listed with
@@ -262,6 +264,20 @@ def slow_steps(times: list[float], events: list[dict], first_step: int) -> list[
     ]
 
 
+def run_ahead(trainer, first_step: int, steps: int, cuda: bool) -> float:
+    """Seconds per step over ``steps`` training steps run back to back, waiting for the device only
+    after the last: the trainer's own loop, which reads nothing back per step with static shapes, so
+    its host runs ahead into the next step (the timed steps wait for each step to read its loss)."""
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for step in range(first_step, first_step + steps):
+        trainer.train_step(trainer.next_micro_batches(), step)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps
+
+
 def profile_step(trainer, step: int) -> dict:
     """One profiled training step: kernels (CUDA) or top-level ops (CPU: aten ops not inside another)
     launched, the device-busy fraction, the top kernels, and the time each named range (``spider.*``,
@@ -474,7 +490,7 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: f
     from spider_titan.metrics.logger import peak_flops
     from spider_titan.train import Trainer
 
-    total_steps = args.warmup + args.steps + 1
+    total_steps = args.warmup + 2 * args.steps + 1  # timed, run ahead, profiled
     argv = overrides + ["--training.steps", str(total_steps), "--job.dump_folder", str(Path(args.out) / name)]
     started = time.perf_counter()
     try:
@@ -552,7 +568,10 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: f
             if cuda:
                 result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if time.perf_counter() - started < budget:
-                result["profile"] = profile_step(trainer, args.warmup + args.steps + 1)
+                per_step = run_ahead(trainer, args.warmup + args.steps + 1, args.steps, cuda)
+                result["run_ahead_bytes_per_s"] = round(tokens / per_step, 1)
+            if time.perf_counter() - started < budget:
+                result["profile"] = profile_step(trainer, args.warmup + 2 * args.steps + 1)
         result["recompiles"] = [m for m in recompiles.messages if m.startswith("Recompiling")]
         result["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         if "profile" in result and name != "dense_1b":
@@ -605,6 +624,8 @@ def table(report: dict) -> str:
             + (f", {100 * share[k]:.0f} % of FLOPs" if k in share else "")
             for k, v in p["ranges_ms"].items()
         ]
+        if "run_ahead_bytes_per_s" in r:
+            lines.append(f"- run ahead (no wait between steps): {r['run_ahead_bytes_per_s']} bytes/s")
         if "step_gpu_ms" in p:
             lines.append(
                 f"- the step on the GPU: {p['step_gpu_ms']} ms, {p['launched']} kernels, "

@@ -58,6 +58,7 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
         assert row["bytes_per_s"] > 0 and row["tflops"] > 0 and row["profile"]["launched"] > 0, (name, row)
         assert f"| {name} | {row['bytes_per_s']} |" in table
         assert row["compile_events"]["triton_compiles"] >= 0, row  # what step 1 compiled, beside its time
+        assert row["run_ahead_bytes_per_s"] > 0, row  # the steps back to back, beside the timed ones
     spider = rows["spider_1b"]
     # the router warmed to the target rate (4 +- 5 %): steady-state shapes from the first timed step
     assert 3.8 <= spider["warm_bytes_per_segment"] <= 4.2, spider
