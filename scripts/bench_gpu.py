@@ -374,29 +374,27 @@ def kernel_kinds(kernels: list[tuple[str, int]]) -> dict[str, dict]:
     pairs, plus ``small``: the kernels under ``SMALL_KERNEL_US``, whatever their kind (the tail that
     fusion or a graph, not a faster GEMM, would shorten). Each kind also names its ``KIND_TOP`` kernels
     by time, as [name, ms, count], so a kind's time can be traced to the code that launches it."""
-    out: dict[str, dict] = {}
-    names: dict[str, Counter] = {}
+    ns_by: dict[str, Counter] = {}  # kind -> kernel name -> ns
+    n_by: dict[str, Counter] = {}  # kind -> kernel name -> launches
 
     def add(kind: str, name: str, ns: int) -> None:
-        entry = out.setdefault(kind, {"n": 0, "ms": 0.0})
-        entry["n"] += 1
-        entry["ms"] += ns / 1e6
-        names.setdefault(kind, Counter())[name[:100]] += ns
+        ns_by.setdefault(kind, Counter())[name[:100]] += ns
+        n_by.setdefault(kind, Counter())[name[:100]] += 1
 
-    counts = Counter(name[:100] for name, _ in kernels)
     for name, ns in kernels:
         low = name.lower()
         add(next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other"), name, ns)
         if ns < SMALL_KERNEL_US * 1000:
             add("small", name, ns)
-    return {
-        k: {
-            "n": v["n"],
-            "ms": round(v["ms"], 3),
-            "top": [[name, round(ns / 1e6, 3), counts[name]] for name, ns in names[k].most_common(KIND_TOP)],
+    out = {
+        kind: {
+            "n": n_by[kind].total(),
+            "ms": round(times.total() / 1e6, 3),
+            "top": [[name, round(ns / 1e6, 3), n_by[kind][name]] for name, ns in times.most_common(KIND_TOP)],
         }
-        for k, v in sorted(out.items(), key=lambda kv: -kv[1]["ms"])
+        for kind, times in ns_by.items()
     }
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 def host_events(prof) -> list:
@@ -485,7 +483,7 @@ def _containing(ranges: list[tuple[int, int, str]], at: int | None) -> set[str]:
 
 def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: float) -> dict:
     """One row: build its trainer, warm the router, time its steps until ``budget`` seconds (compile
-    included) have passed, and profile one more step if time is left."""
+    included) have passed; while time is left, as many steps again back to back, then one profiled."""
     from spider_titan.config.manager import parse_args
     from spider_titan.metrics.logger import peak_flops
     from spider_titan.train import Trainer

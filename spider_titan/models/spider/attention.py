@@ -72,7 +72,7 @@ class PackedRows(NamedTuple):
     @classmethod
     def of(cls, valid: torch.Tensor, count: int) -> PackedRows:
         """From the (B, S) mask and its number of True slots (a host int: no sync here)."""
-        return cls(torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1), valid, _positions(valid, count))
+        return cls.fixed(valid, count)
 
     @classmethod
     def fixed(cls, valid: torch.Tensor, size: int) -> PackedRows:
@@ -80,8 +80,9 @@ class PackedRows(NamedTuple):
         fewer (a static shape; no host read); ``valid`` then marks the slots packed."""
         flat = valid.reshape(-1)
         index = torch.nonzero_static(flat, size=size, fill_value=flat.numel()).squeeze(1)
-        kept = flat & (flat.cumsum(0) <= size)  # the first `size` True slots
-        return cls(index, kept.view_as(valid), _positions(kept, size))
+        rank = flat.cumsum(0)  # a True slot's 1-based place among them
+        kept = flat & (rank <= size)
+        return cls(index, kept.view_as(valid), torch.where(kept, rank - 1, size))
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (1, N, ...)"""
@@ -90,12 +91,6 @@ class PackedRows(NamedTuple):
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) -> (B, S, ...), zeros in the padding."""
         return _Regather.apply(x.squeeze(0), self.position, self.index).view(*self.valid.shape, *x.shape[2:])
-
-
-def _positions(kept: torch.Tensor, n: int) -> torch.Tensor:
-    """Each slot's position among the ``n`` packed ones (flat order), ``n`` where it is not packed."""
-    flat = kept.reshape(-1)
-    return torch.where(flat, flat.cumsum(0) - 1, n)
 
 
 class KVCache:
