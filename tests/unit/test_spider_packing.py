@@ -28,7 +28,7 @@ def ragged_ids() -> torch.Tensor:
     return ids
 
 
-def test_packed_rows_pack_and_unpack():
+def test_packed_rows_pack_and_pad():
     valid = torch.tensor([[True, True, False], [True, False, False]])
     p = PackedRows.of(valid, 3)
     assert p.index.tolist() == [0, 1, 3]
