@@ -23,16 +23,22 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
 * gathered FSDP units at the peak: the root (never resharded), the units kept gathered from forward
   to backward (the recurrent core under ``fsdp_keep_core_gathered_fraction`` of ``--gpu_memory_gib``),
   and the two largest other units (the one computing and the one prefetched), in their all-gather dtype;
-* activations: the bytes one micro-batch's forward (and loss) leaves alive for backward, MEASURED by
-  running the model at the config's real width, batch and sequence on fake tensors (no memory, no
-  compute) under the config's activation-checkpointing mode and counting the storages still alive,
-  like metrics/memory.py does on real tensors. Assumptions, each stated in the output:
+* activations and backward transients, MEASURED by running one micro-batch's forward, loss and
+  backward at the config's real width, batch and sequence on fake tensors (no memory, no compute),
+  under the config's activation checkpointing, counting the storages alive: "activations" is what
+  forward and loss leave for backward, "backward transients" what the step's high-water mark holds
+  beyond them (recomputed blocks, activation gradients). The blocks the trainer compiles run as
+  torch.compile partitions them (:class:`CompiledSaves`: AOT autograd, Inductor's decompositions and
+  min-cut partitioner), each compiled graph counted by what it returns, as its fused kernels keep
+  little else. Without FSDP the step runs as the builder sets it up on a GPU: fp32 parameters under
+  autocast, the matmul weights cast once ("compute weights"). Assumptions, each stated in the output:
   - the one data-dependent host read of the forward (Spider's segment count S) returns
     ``ceil(seq_len * moe_tokens_per_byte)`` of the model's spec (Spider: one segment per
     ``target_bytes_per_segment`` bytes); boolean checks read "true";
   - attention saves what the GPU kernels save (q, k, v, output, fp32 logsumexp), not the T x T
     matrix of the CPU math fallback (MLA's qk and v head dims differ, which CPU flash refuses);
   - the MoE backend is ``torch`` (the Triton kernels do not run on fake CPU tensors);
+  - autocast is the CPU's (its fp32 op list is shorter than CUDA's);
 * reduce-scatter staging: the largest unit's reduce-scatter input (its unsharded gradient, reduce dtype);
 * collectives per step, by kind and FSDP unit / MoE layer, with the CommCounter's conventions
   (parallel/comm_counter.py): all-gather = gathered output, reduce-scatter = input, all-to-all =
@@ -40,23 +46,27 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
 * FLOPs per step from the model spec's ``flops_per_token``; step time and tokens/s at ``--mfu`` of
   ``--peak_tflops`` (default: H100 bf16 dense 989 TFLOP/s, x2 when the float8 converter is on);
 * the micro-batch: the split of the rows per step with the most rows per micro-batch that fits with
-  room to spare (:func:`largest_micro_batch`), as the flags that ask for it.
+  room to spare (:func:`largest_micro_batch`), as the flags that ask for it; and whether that
+  micro-batch needs activation checkpointing at all (:func:`without_checkpointing`: the same step
+  measured with it off, and the share of matmul FLOPs its recompute costs).
 
-Not counted: CUDA context and NCCL buffers (~1-3 GiB), the caching allocator's fragmentation, the
-backward's transient activation gradients and recomputed blocks, the loss's logits gradient.
-Validated against real gloo runs at debug size (tests/distributed/test_plan_validation.py). Activations
-are eager's: compiled blocks save fewer when nothing is checkpointed (``planning_config``).
+Not counted: CUDA context and NCCL buffers (~1-3 GiB), the caching allocator's fragmentation.
+Validated against real gloo runs at debug size (tests/distributed/test_plan_validation.py), real
+compiled and eager CPU steps (tests/unit/test_plan.py) and three peaks of Spider 1B on an H200
+(docs/benchmarks.md, "The planner's peak").
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import sys
 import typing
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -179,8 +190,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
 def planning_config(cfg: JobConfig) -> JobConfig:
     """A copy of ``cfg`` for meta builds: no torch.compile (Dynamo cannot trace under the measuring
-    dispatch mode). Compiled blocks save fewer tensors, so without checkpointing the plan is high: Spider
-    1B at batch 4 peaked at 35.3 GiB on an H200 against a plan of 48.3 (recurrent AC: 24.2 against 24.5)."""
+    dispatch mode; the activation measurement stands in for it with :class:`CompiledSaves`)."""
     cfg = copy.deepcopy(cfg)
     cfg.training.compile = False
     return cfg
@@ -315,18 +325,57 @@ def optimizer_state_bytes(model: nn.Module, cfg: JobConfig) -> int:
 # ---------------------------------------------------------------- activations, measured on fake tensors
 
 
+def _flop_formulas() -> dict:
+    # imported here: torch.utils.flop_counter imports Triton, which must not happen before a test (or
+    # a user) sets TRITON_INTERPRET
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    from spider_titan.moe.layer import grouped_mm_flop, grouped_mm_ops
+
+    return {**flop_registry, **{op: shape_wrapper(grouped_mm_flop) for op in grouped_mm_ops()}}
+
+
 class _LiveStorages(TorchDispatchMode):
-    """Records every storage an op creates (by identity: fake tensors have no data pointer) and
-    answers data-dependent host reads with the planning assumption (module docstring)."""
+    """Counts the bytes of the storages ops create that are still alive, their high-water mark and the
+    FLOPs of the ops.
+    A storage keeps its Python object while it lives, so a weak reference to it calls back exactly
+    when it dies. Answers data-dependent host reads with the planning assumption (module docstring)."""
 
     def __init__(self, known: set[int], int_read: int | None):
         super().__init__()
         self.known = known
         self.int_read = int_read
-        self.refs: dict[int, tuple[int, int]] = {}
+        self.refs: dict[int, weakref.ref] = {}
+        self.live = 0
+        self.peak = 0
+        self.flops = 0  # by torch.utils.flop_counter's formulas (matmuls, attention) and the grouped GEMM's
+        self.formulas = _flop_formulas()
         self.int_reads = 0
+        self.paused = False  # while a compiled block traces (CompiledSaves)
+        self.fused = False  # inside a compiled graph: only what it returns is counted
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self.known or key in self.refs:
+            return
+        nbytes = storage.nbytes()
+
+        def died(_, key=key, nbytes=nbytes):
+            self.refs.pop(key, None)
+            self.live -= nbytes
+
+        self.refs[key] = weakref.ref(storage, died)
+        self.live += nbytes
+
+    def count_outputs(self, out) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default:
             if args[0].dtype == torch.bool:
                 return True  # a validity check: the planned inputs are valid
@@ -338,71 +387,215 @@ class _LiveStorages(TorchDispatchMode):
             self.int_reads += 1
             return self.int_read
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = st._cdata
-                if key in self.known:
-                    continue
-                old = self.refs.get(key)
-                if old is not None:
-                    if not torch.UntypedStorage._expired(old[0]):
-                        continue
-                    torch.UntypedStorage._free_weak_ref(old[0])
-                self.refs[key] = (st._weak_ref(), st.nbytes())
+        if not self.fused:
+            self.count_outputs(out)
+        count = self.formulas.get(func._overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **(kwargs or {}), out_val=out)
         return out
 
-    def alive_bytes(self) -> int:
-        total = 0
-        for ref, nbytes in self.refs.values():
-            if not torch.UntypedStorage._expired(ref):
-                total += nbytes
-            torch.UntypedStorage._free_weak_ref(ref)
-        self.refs.clear()
-        return total
 
-
-class _GPUAttentionSaves(torch.autograd.Function):
-    """Stands in for the GPU's fused attention (cuDNN / memory-efficient): what it saves for
-    backward is q, k, v, the output and an fp32 logsumexp per query, never the T x T scores."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _efficient_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, **_) -> torch.Tensor:
+    """The GPU's fused attention as the plan sees it: memory-efficient attention's own op. Its autograd
+    saves q, k, v, the output and an fp32 logsumexp per query, never the T x T scores; it runs on fake
+    tensors through its meta kernel, and a compiled block's partitioner sees one opaque op."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, is_causal=is_causal, scale=scale
+    )[0]
 
 
 @contextmanager
 def _gpu_attention() -> Iterator[None]:
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = lambda q, k, v, **kwargs: _GPUAttentionSaves.apply(q, k, v)
+    torch.nn.functional.scaled_dot_product_attention = _efficient_attention
     try:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
+@contextmanager
+def _compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` reads True, as while Dynamo traces: the blocks skip their
+    host-side checks (moe/base.py) exactly as in a compiled run."""
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = flag
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _OneOp:
+    """A traced graph as one opaque op on fake tensors: its outputs are made from the metadata the trace
+    left on them (new storages, or views of the inputs they alias), and its FLOPs are counted once from
+    the same metadata; none of its ops runs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, formulas: dict):
+        nodes = list(gm.graph.nodes)
+        inputs = [n.meta.get("val") for n in nodes if n.op == "placeholder"]
+        aliased = {t.untyped_storage()._cdata: i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+        self.outputs: list[tuple | None] = []  # (input index or None, storage group, the output's metadata)
+        groups: dict[int, int] = {}
+        for node in next(n for n in reversed(nodes) if n.op == "output").args[0]:
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor):
+                self.outputs.append(None)
+                continue
+            key = val.untyped_storage()._cdata
+            self.outputs.append((aliased.get(key), groups.setdefault(key, len(groups)), val))
+        self.flops = 0
+        for node in nodes:
+            count = formulas.get(getattr(node.target, "_overloadpacket", None)) if node.op == "call_function" else None
+            if count is not None:
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+                self.flops += count(*args, **kwargs, out_val=node.meta.get("val"))
+
+    def __call__(self, inputs: list) -> list:
+        bases: dict[int, torch.Tensor] = {}
+        out = []
+        for spec in self.outputs:
+            if spec is None:
+                out.append(None)
+                continue
+            index, group, val = spec
+            if index is not None:
+                base = inputs[index]
+            elif group in bases and bases[group].dtype == val.dtype:
+                base = bases[group]
+            else:
+                nbytes = val.untyped_storage().nbytes()
+                base = bases[group] = torch.empty(nbytes // val.element_size(), dtype=val.dtype)
+            out.append(base.as_strided(val.shape, val.stride(), val.storage_offset()))
+        return out
+
+
+class CompiledSaves(nn.Module):
+    """Runs ``block`` as torch.compile partitions it for backward: AOT autograd with Inductor's
+    decompositions and its min-cut partitioner (Inductor recomputes cheap ops in backward instead of
+    saving them). Each graph, forward and backward, is one opaque op (:class:`_OneOp`) for ``recorder``:
+    what it returns is counted, not its intermediates, which Inductor's fused kernels mostly never
+    write. Blocks alike (same class, weights and inputs) share one trace in ``traced``."""
+
+    def __init__(self, block: nn.Module, recorder: _LiveStorages, traced: dict):
+        super().__init__()
+        self.block = block
+        self.recorder = recorder
+        self.traced = traced
+
+    def _as_one_op(self, gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        """AOT's "compiler" (boxed): :class:`_OneOp` of the graph, counted by ``recorder``."""
+        recorder = self.recorder
+        op = _OneOp(gm, recorder.formulas)
+
+        def run(args):
+            inputs = list(args)
+            args.clear()  # the inputs the outputs do not alias die here, as in Inductor's code
+            out = op(inputs)
+            del inputs
+            if not recorder.paused:
+                recorder.flops += op.flops
+                recorder.count_outputs(out)
+            return out
+
+        run._boxed_call = True
+        return run
+
+    def _call(self, weights, *args, **kwargs):
+        return torch.func.functional_call(self.block, weights, args, kwargs)
+
+    def forward(self, *args, **kwargs):
+        from torch._functorch.aot_autograd import aot_function
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.decomposition import select_decomp_table
+
+        weights = {**dict(self.block.named_parameters()), **dict(self.block.named_buffers())}
+        leaves = tree_flatten((args, kwargs, weights))[0]
+        key = (type(self.block), *weights, *(_signature(t) for t in leaves))
+        fn = self.traced.get(key)
+        if fn is None:
+            fn = self.traced[key] = aot_function(
+                self._call,
+                fw_compiler=self._as_one_op,
+                bw_compiler=self._as_one_op,
+                partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+                decompositions=select_decomp_table(),
+            )
+            self.recorder.paused = True
+            try:  # the first call traces; what it saves is hidden from an enclosing checkpoint, and dies here
+                with _compiling(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                    fn(weights, *args, **kwargs)
+            finally:
+                self.recorder.paused = False
+        with _compiling():
+            return fn(weights, *args, **kwargs)
+
+
+def _signature(x) -> tuple | str:
+    return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
+
+
+def compile_like_trainer(model: nn.Module, spec, recorder: _LiveStorages) -> int:
+    """Puts :class:`CompiledSaves` in place of each block the trainer compiles (parallel/compile.py). A
+    checkpointed block keeps its wrapper, which keeps the block's inputs, and runs its block compiled
+    inside: the recompute in backward then holds what the compiled block saves. Returns how many."""
+    count, traced = 0, {}
+    for fqn, block in spec.blocks(model):
+        if isinstance(block, CheckpointWrapper):
+            block._checkpoint_wrapped_module = CompiledSaves(block._checkpoint_wrapped_module, recorder, traced)
+        else:
+            container, name = fqn.rsplit(".", 1)
+            model.get_submodule(container).register_module(name, CompiledSaves(block, recorder, traced))
+        count += 1
+    return count
+
+
 @dataclass
 class ActivationMeasure:
-    bytes: int
+    bytes: int  # alive at the end of forward and loss: what backward reads
     segments: int | None  # the assumed segment count S (None: the model read none)
     notes: list[str] = field(default_factory=list)
+    peak: int = 0  # the most alive at once over forward, loss and (when run) backward
+    cast_bytes: int = 0  # the matmul weights cast once per step, held through it (no FSDP)
+    flops: int = 0  # matmul and attention FLOPs the step runs, activation checkpointing's recompute included
+
+
+_MEASURED: dict[tuple, ActivationMeasure] = {}  # plans at several rank counts measure the same micro-batch
 
 
 def measure_activation_bytes(
-    cfg: JobConfig, *, batch: int, seq_len: int, param_dtype: torch.dtype, gpu_attention: bool = True
+    cfg: JobConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    param_dtype: torch.dtype,
+    gpu_attention: bool = True,
+    backward: bool = True,
+    fsdp: bool = True,
 ) -> ActivationMeasure:
-    """Bytes one micro-batch's forward and loss leave alive for backward, at the config's width,
-    with its converters and activation checkpointing, on fake tensors (module docstring)."""
-    from spider_titan.components.builder import build_model
+    """Bytes one micro-batch's forward and loss leave alive for backward, and the most alive at once
+    over forward and (``backward``) backward, at the config's width, with its converters, activation
+    checkpointing and compiled blocks, on fake tensors (module docstring). Without ``fsdp`` and with a
+    ``param_dtype`` below fp32, the step runs as the builder sets it up on a GPU: fp32 parameters under
+    autocast, the matmul weights cast once (``cast_weights_once``; their copies: ``cast_bytes``)."""
+    key = (repr(cfg), batch, seq_len, param_dtype, gpu_attention, backward, fsdp)
+    if key not in _MEASURED:
+        if len(_MEASURED) >= 8:
+            _MEASURED.clear()
+        _MEASURED[key] = _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp)
+    return _MEASURED[key]
 
+
+def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) -> ActivationMeasure:
+    from spider_titan.components.builder import build_model
+    from spider_titan.parallel.precision import ComputeWeights
+
+    compiled = cfg.training.compile
+    casts = not fsdp and param_dtype != torch.float32
     cfg = planning_config(cfg)
     notes = []
     if cfg.moe.backend != "torch":
@@ -413,32 +606,46 @@ def measure_activation_bytes(
     per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else None
     # rounded first: in floats 129 * (1 / 3) is not 43 exactly
     segments = math.ceil(round(seq_len * per_byte, 9)) if per_byte is not None else None
+    weight_dtype = torch.float32 if casts else param_dtype
     with FakeTensorMode(allow_non_fake_inputs=True):
         for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
-                    dtype = param_dtype if p.is_floating_point() else p.dtype
+                    dtype = weight_dtype if p.is_floating_point() else p.dtype
                     module._parameters[name] = nn.Parameter(
                         torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad
                     )
+                    if backward and p.requires_grad:  # gradients are planned on their own
+                        module._parameters[name].grad = torch.zeros_like(module._parameters[name])
             for name, b in list(module._buffers.items()):
                 if b is not None:
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
         inputs = torch.zeros(batch, seq_len, dtype=torch.long)
         labels = torch.zeros(batch, seq_len, dtype=torch.long)
         extra = {"sample_ids": torch.arange(batch)} if "sample_ids" in spec.train_inputs else {}
+        before = [*model.parameters(), *model.buffers(), inputs, labels, *extra.values()]
         known = {
-            t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), inputs, labels, *extra.values()]
+            t.untyped_storage()._cdata for t in before + [p.grad for p in model.parameters() if p.grad is not None]
         }
         recorder = _LiveStorages(known, segments)
-        with _gpu_attention() if gpu_attention else _nothing(), recorder:
-            out = model(inputs, **extra)
-            loss = spec.loss_sum(out.logits, labels)
+        if compiled:
+            compile_like_trainer(model, spec, recorder)
+        weights = ComputeWeights(model, param_dtype) if casts and cfg.training.cast_weights_once else None
+        with (
+            _gpu_attention() if gpu_attention else _nothing(),
+            recorder,
+            torch.autocast("cpu", dtype=param_dtype, enabled=casts),
+            weights() if weights is not None else _nothing(),
+        ):
+            cast = recorder.live
+            loss = spec.loss_sum(model(inputs, **extra).logits, labels)  # the logits die here, as in training
+            saved = recorder.live - cast
+            if backward:
+                loss.backward()
         del loss
-        measured = recorder.alive_bytes()
     if recorder.int_reads == 0:
         segments = None
-    return ActivationMeasure(measured, segments, notes)
+    return ActivationMeasure(saved, segments, notes, peak=recorder.peak - cast, cast_bytes=cast, flops=recorder.flops)
 
 
 @contextmanager
@@ -467,6 +674,12 @@ class Plan:
     activation: ActivationMeasure
     notes: list[str]
     accumulated_grad_bytes: int = 0  # the unsharded gradients FSDP keeps between micro-batches (any accumulation)
+    # the same micro-batch measured with activation checkpointing off, when the plan is asked (:attr:`without_ac`)
+    measure_without_ac: Callable[[], ActivationMeasure] | None = None
+
+    @functools.cached_property
+    def without_ac(self) -> ActivationMeasure | None:
+        return None if self.measure_without_ac is None else self.measure_without_ac()
 
     @property
     def total_bytes(self) -> int:
@@ -486,8 +699,12 @@ KNOBS = {
     'or training.mixed_precision_reduce = "bfloat16"',
     "gathered units": "parallelism.fsdp_keep_core_gathered_fraction = 0 (reshard the core after forward)",
     "reduce-scatter staging": 'training.mixed_precision_reduce = "bfloat16"',
+    "compute weights": "training.cast_weights_once = false (each use casts its weight again), or FSDP",
     "activations": "a smaller training.local_batch_size (more gradient_accumulation_steps)",
+    "backward transients": "a smaller training.local_batch_size (more gradient_accumulation_steps)",
 }
+# the components that grow with a micro-batch's rows
+PER_ROW = ("activations", "backward transients")
 # stronger activation checkpointing, after each mode
 STRONGER_AC = {"none": "recurrent", "selective": "recurrent", "recurrent": "full"}
 
@@ -528,8 +745,23 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
     elif opts.ngpu > 1:
         notes.append("no FSDP (parallelism.fsdp): every rank holds the whole model")
 
-    act = measure_activation_bytes(cfg, batch=t.local_batch_size, seq_len=t.seq_len, param_dtype=param_dtype)
+    measure = functools.partial(
+        measure_activation_bytes,
+        batch=t.local_batch_size,
+        seq_len=t.seq_len,
+        param_dtype=param_dtype,
+        fsdp=bool(groups),
+    )
+    act = measure(cfg)
+    without_ac = None
+    if cfg.activation_checkpoint.mode != "none":
+        plain = copy.deepcopy(cfg)
+        plain.activation_checkpoint.mode = "none"
+        without_ac = functools.partial(measure, plain)
+    if act.cast_bytes:
+        memory["compute weights"] = act.cast_bytes
     memory["activations"] = act.bytes
+    memory["backward transients"] = act.peak - act.bytes
     notes.extend(act.notes)
     if act.segments is not None:
         notes.append(f"core tokens (segments) assumed S = ceil(seq_len * moe_tokens_per_byte) = {act.segments}")
@@ -559,6 +791,7 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
         activation=act,
         notes=notes,
         accumulated_grad_bytes=sum(g.accumulated_grad_bytes for g in groups),
+        measure_without_ac=without_ac,
     )
 
 
@@ -574,8 +807,8 @@ def micro_batch_choices(plan: Plan, cfg: JobConfig) -> list[tuple[int, int, int]
     scale with a micro-batch's rows; FSDP keeps the accumulated gradient only with more than one."""
     t = cfg.training
     rows = t.local_batch_size * t.gradient_accumulation_steps
-    per_row = plan.memory["activations"] / t.local_batch_size
-    fixed = plan.total_bytes - plan.memory["activations"] - plan.memory.get("accumulated gradients", 0)
+    per_row = sum(plan.memory[k] for k in PER_ROW) / t.local_batch_size
+    fixed = plan.total_bytes - sum(plan.memory[k] for k in PER_ROW) - plan.memory.get("accumulated gradients", 0)
     out = []
     for local in (n for n in range(1, rows + 1) if rows % n == 0):
         accum = rows // local
@@ -583,14 +816,34 @@ def micro_batch_choices(plan: Plan, cfg: JobConfig) -> list[tuple[int, int, int]
     return out
 
 
+def fits_with_room(plan: Plan, nbytes: float) -> bool:
+    """``nbytes`` planned per rank fit with ``ALLOCATOR_MARGIN`` and ``CONTEXT_GIB`` to spare."""
+    return nbytes * (1 + ALLOCATOR_MARGIN) <= plan.gpu_memory_bytes - CONTEXT_GIB * GIB
+
+
 def largest_micro_batch(plan: Plan, cfg: JobConfig) -> tuple[int, int, int] | None:
     """The split of :func:`micro_batch_choices` with the most rows per micro-batch that fits with
     ``ALLOCATOR_MARGIN`` and ``CONTEXT_GIB`` to spare, or None. A step that is not one CUDA graph waits
     on its host, whose launches per micro-batch do not grow with its rows
     (tests/integration/test_launches_per_batch.py), and the grouped expert GEMMs get more rows."""
-    budget = plan.gpu_memory_bytes - CONTEXT_GIB * GIB
-    fits = [c for c in micro_batch_choices(plan, cfg) if c[2] * (1 + ALLOCATOR_MARGIN) <= budget]
+    fits = [c for c in micro_batch_choices(plan, cfg) if fits_with_room(plan, c[2])]
     return max(fits) if fits else None
+
+
+def without_checkpointing(plan: Plan, cfg: JobConfig) -> tuple[int, float] | None:
+    """(bytes planned per rank, share of the step's matmul and attention FLOPs saved) for the micro-batch
+    :func:`largest_micro_batch` picks, with activation checkpointing off; None when it is off already
+    or nothing fits. Checkpointing recomputes what it dropped, so it pays only where memory needs it."""
+    pick = largest_micro_batch(plan, cfg)
+    if plan.without_ac is None or pick is None:
+        return None
+    local, accum, _ = pick
+    t = cfg.training
+    with_rows = sum(plan.memory[k] for k in PER_ROW)
+    fixed = plan.total_bytes - with_rows - plan.memory.get("accumulated gradients", 0)
+    rows = plan.without_ac.peak * local / t.local_batch_size
+    nbytes = round(fixed + rows + (plan.accumulated_grad_bytes if accum > 1 else 0))
+    return nbytes, 1 - plan.without_ac.flops / plan.activation.flops
 
 
 def expert_all_to_all_bytes(cfg: JobConfig, args, segments: int, dtype: torch.dtype) -> dict[str, int]:
@@ -649,6 +902,17 @@ def format_plan(plan: Plan, cfg: JobConfig) -> str:
     )
     lines.append("")
     lines.append(micro_batch_line(plan, cfg))
+    off = without_checkpointing(plan, cfg)
+    if off is not None:
+        nbytes, saved = off
+        if fits_with_room(plan, nbytes):
+            lines.append(
+                f"checkpointing  not needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned, which fits; "
+                f"the step skips the recompute, {saved:.0%} of its matmul and attention FLOPs: "
+                "--activation_checkpoint.mode none"
+            )
+        else:
+            lines.append(f"checkpointing  needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned")
     for note in plan.notes:
         lines.append(f"note: {note}")
     lines.append(verdict(plan))
@@ -681,7 +945,7 @@ def verdict(plan: Plan) -> str:
         running += nbytes
         if running > budget:
             knob = KNOBS[name]
-            if name == "activations" and plan.ac_mode in STRONGER_AC:
+            if name in PER_ROW and plan.ac_mode in STRONGER_AC:
                 knob += f', or activation_checkpoint.mode = "{STRONGER_AC[plan.ac_mode]}"'
             return (
                 f"DOES NOT FIT: {running / GIB:.1f} GiB of {budget / GIB:.0f} GiB reached at {name} "

@@ -34,6 +34,21 @@ def _(a, b, offs):
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # (K, R) x (R, N) -> (E, K, N)
 
 
+def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one grouped GEMM from its shapes (``torch.utils.flop_counter``'s convention; it has no
+    formula of its own for ``_grouped_mm``): 2 * M * K * N over all groups."""
+    if len(out_shape) == 2:  # (M, K) x (E, K, N) -> (M, N)
+        return 2 * a_shape[0] * a_shape[1] * out_shape[1]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (K, M) x (M, N) -> (E, K, N): the weight gradient
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    raise NotImplementedError(f"grouped mm {a_shape} x {b_shape} -> {out_shape}")
+
+
+def grouped_mm_ops() -> list:
+    """The grouped-GEMM ops the MoE layer dispatches: torch's, and this module's opaque wrapper."""
+    return [torch.ops.aten._grouped_mm, _grouped_mm_opaque._opoverload.overloadpacket]
+
+
 def _raw_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``, traceable by torch.compile in every dtype.
 

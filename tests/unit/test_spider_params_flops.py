@@ -17,6 +17,7 @@ from spider_titan.models.spider import (
     spider_flops_breakdown,
     spider_flops_per_byte,
 )
+from spider_titan.moe.layer import grouped_mm_flop, grouped_mm_ops
 
 
 def test_1b_parameter_count():
@@ -38,26 +39,6 @@ def test_debug_parameter_count():
     with torch.device("meta"):
         model = Spider(SPIDER_FLAVORS["debug"])
     assert sum(p.numel() for p in model.parameters()) < 3e6
-
-
-def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """FlopCounterMode has no formula for torch._grouped_mm: 2*M*K*N over all groups."""
-    if len(out_shape) == 2:  # (M, K) x (E, K, N) -> (M, N)
-        return 2 * a_shape[0] * a_shape[1] * out_shape[1]
-    if len(a_shape) == 2 and len(b_shape) == 2:  # (K, M) x (M, N) -> (E, K, N): the weight gradient
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    raise NotImplementedError(f"grouped mm {a_shape} x {b_shape} -> {out_shape}")
-
-
-def _grouped_mm_ops() -> list:
-    """The grouped-GEMM ops the MoE layer may dispatch: torch's, and the MoE layer's opaque wrapper
-    (``spider_titan::grouped_mm``, used for dtypes torch.compile cannot trace natively)."""
-    ops = [torch.ops.aten._grouped_mm]
-    try:
-        ops.append(torch.ops.spider_titan.grouped_mm)
-    except (AttributeError, RuntimeError):
-        pass
-    return ops
 
 
 def _causal_sdpa_flop(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
@@ -84,7 +65,7 @@ def _causal_math_sdpa_bmm_flop(a_shape, b_shape, *args, **kwargs) -> int:
 def flop_counter(halve_bmm: bool = False) -> FlopCounterMode:
     """FlopCounterMode plus what this CPU build does not count (grouped GEMM, CPU flash
     attention), by formula; ``halve_bmm`` counts math-kernel attention causal-halved (Spider)."""
-    mapping = {op: _grouped_mm_flop for op in _grouped_mm_ops()}
+    mapping = {op: grouped_mm_flop for op in grouped_mm_ops()}
     if halve_bmm:
         mapping[torch.ops.aten.bmm] = _causal_math_sdpa_bmm_flop
     mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _causal_sdpa_flop
