@@ -12,7 +12,10 @@ shapes, no host sync), ``spider_1b_packed``
 the batch's segments packed into fewer positions), ``spider_1b_shipped`` (the config as it ships: its
 static shapes and its micro-batch of 16 rows, which ``--batch`` does not change; one GPU, no FSDP),
 ``spider_1b_graph`` (``spider_1b_packed``, and the
-step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only), ``--variant``
+step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only),
+``spider_1b_planned`` (``train_configs/spider_1b_1gpu.toml``'s shapes: 16 rows, slots 1.5, packed 1.35,
+graphed, with activation checkpointing only if the planner finds the micro-batch needs it on this GPU's
+memory; the planner runs beside the first rows, in its own process), ``--variant
 rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
 skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts at steady-state
 segmentation: before any timed step its boundary predictor's threshold is set by bisection to within
@@ -30,8 +33,8 @@ optimizer step) beside its share of the FLOPs. A timed step slower than 2x the m
 what happened during it (``slow_steps``: dynamo recompiles, Triton JIT compiles of the MoE kernels, the
 CUDA allocator's new allocations and retries), so a stall names its cause. A row stops taking steps
 once it has used its time budget (``--budget_s``), so a slow row cannot eat the run, and the whole run
-stops at ``--total_s``. The rows run most telling first: dense, graph, shipped, fp8, packed, static,
-dynamic, then the variants.
+stops at ``--total_s``. The rows run most telling first: dense, graph, planned, shipped, fp8, packed,
+static, dynamic, then the variants.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import gc
 import json
 import logging
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -51,6 +56,7 @@ from spider_titan.training.cuda_graph import FORWARD_BACKWARD
 from spider_titan.vocab import PAD_ID
 
 CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "spider_1b.toml"
+ONE_GPU_CONFIG = CONFIG.with_name("spider_1b_1gpu.toml")
 # Reduced width, the real structure: blocks, loops, experts and top-k of the 1B flavors, every width small.
 REDUCED_SPIDER = {
     "dim": 64,
@@ -88,6 +94,40 @@ def shipped_config():
     from spider_titan.config.manager import parse_args
 
     return parse_args(["--job.config_file", str(CONFIG)], env={})
+
+
+def one_gpu_config():
+    """``ONE_GPU_CONFIG`` as it ships, parsed."""
+    from spider_titan.config.manager import parse_args
+
+    return parse_args(["--job.config_file", str(ONE_GPU_CONFIG)], env={})
+
+
+def start_planner() -> subprocess.Popen | None:
+    """``python -m spider_titan.plan`` of ``ONE_GPU_CONFIG`` for this GPU's memory, in its own process
+    (it takes seconds of CPU on fake tensors while the first rows use the GPU); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    cmd = [sys.executable, "-m", "spider_titan.plan", "--job.config_file", str(ONE_GPU_CONFIG), "--ngpu", "1"]
+    cmd += ["--gpu_memory_gib", f"{gib:.1f}"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def planned_checkpointing(planner: subprocess.Popen | None, timeout: float) -> tuple[list[str], str]:
+    """(trainer flags, what the planner said) for ``spider_1b_planned``: checkpointing off when the
+    plan finds the micro-batch fits without it (plan.CHECKPOINTING_NOT_NEEDED), else the config's."""
+    from spider_titan.plan import CHECKPOINTING_NOT_NEEDED
+
+    if planner is None:
+        return [], "the planner runs for a GPU only: the config's checkpointing"
+    try:
+        out, _ = planner.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        planner.kill()
+        return [], f"the planner took over {timeout:.0f} s: the config's checkpointing"
+    line = next((x for x in out.splitlines() if x.startswith("checkpointing")), "no checkpointing line")
+    return (["--activation_checkpoint.mode", "none"] if line.startswith(CHECKPOINTING_NOT_NEEDED) else []), line
 
 
 def dense_config(out: Path) -> Path:
@@ -144,10 +184,15 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
     graph = ["--training.cuda_graph", "true"] if torch.cuda.is_available() else []  # a CUDA graph needs CUDA
     fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
+    one = one_gpu_config()
+    one_gpu = ["--training.local_batch_size", str(one.training.local_batch_size)]
+    one_gpu += [f"--model.{k}={one.model.overrides[k]}" for k in ("segment_capacity", "packed_capacity")]
     # the order they run in, most telling first, so that --total_s cuts the references of earlier runs
     out = [
         ("dense_1b", dense_row + dense),
         ("spider_1b_graph", base + spider + packed + graph),
+        # spider_1b_1gpu.toml's micro-batch and shapes; the planner's checkpointing is added when the row runs
+        ("spider_1b_planned", base + spider + one_gpu + graph),
         # the 8-GPU config's shapes and micro-batch (the planner's pick) as shipped, on one GPU (no FSDP)
         ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped.training.local_batch_size)]),
         ("spider_1b_fp8", base + spider + packed + graph + fp8),
@@ -609,6 +654,7 @@ def table(report: dict) -> str:
             f"{r.get('peak_memory_gib', '-')} | {r.get('compile_s', '-')} | {r.get('slowest_over_median', '-')} | "
             f"{len(r.get('recompiles', []))} | {p.get('launched', '-')} | {p.get('busy_fraction', '-')} |"
         )
+    lines += [f"\n{name}, the planner: {r['planner']}" for name, r in report["rows"].items() if "planner" in r]
     for name, r in report["rows"].items():
         p = r.get("profile")
         if not p:
@@ -693,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine(), "args": vars(args), "rows": {}}
     chosen = [r for r in args.rows.split(",") if r]
     deadline = time.perf_counter() + args.total_s
+    planner = start_planner() if not chosen or "spider_1b_planned" in chosen else None
     for name, overrides in rows(args):
         if chosen and name not in chosen:
             continue
@@ -701,8 +748,15 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"][name] = {"skipped": f"the run's {args.total_s:g} s (--total_s) were spent"}
             continue
         budget = args.fp8_budget_s if name.endswith("fp8") else args.budget_s  # fp8 compiles for longer
+        said = None
+        if name == "spider_1b_planned":
+            flags, said = planned_checkpointing(planner, timeout=min(120.0, left - MIN_ROW_S))
+            overrides = overrides + flags
+            left = deadline - time.perf_counter()
         try:
             report["rows"][name] = run_row(name, overrides, args, min(budget, left))
+            if said is not None:
+                report["rows"][name]["planner"] = said
         except Exception as e:  # noqa: BLE001 (a row that breaks mid-run, e.g. out of memory, is reported)
             report["rows"][name] = {"skipped": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             logging.getLogger("spider_titan").exception("row %s failed", name)

@@ -352,7 +352,6 @@ class _LiveStorages(TorchDispatchMode):
         self.formulas = _flop_formulas()
         self.int_reads = 0
         self.paused = False  # while a compiled block traces (CompiledSaves)
-        self.fused = False  # inside a compiled graph: only what it returns is counted
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -387,8 +386,7 @@ class _LiveStorages(TorchDispatchMode):
             self.int_reads += 1
             return self.int_read
         out = func(*args, **(kwargs or {}))
-        if not self.fused:
-            self.count_outputs(out)
+        self.count_outputs(out)
         count = self.formulas.get(func._overloadpacket)
         if count is not None:
             self.flops += count(*args, **(kwargs or {}), out_val=out)
@@ -902,17 +900,9 @@ def format_plan(plan: Plan, cfg: JobConfig) -> str:
     )
     lines.append("")
     lines.append(micro_batch_line(plan, cfg))
-    off = without_checkpointing(plan, cfg)
-    if off is not None:
-        nbytes, saved = off
-        if fits_with_room(plan, nbytes):
-            lines.append(
-                f"checkpointing  not needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned, which fits; "
-                f"the step skips the recompute, {saved:.0%} of its matmul and attention FLOPs: "
-                "--activation_checkpoint.mode none"
-            )
-        else:
-            lines.append(f"checkpointing  needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned")
+    checkpointing = checkpointing_line(plan, cfg)
+    if checkpointing:
+        lines.append(checkpointing)
     for note in plan.notes:
         lines.append(f"note: {note}")
     lines.append(verdict(plan))
@@ -933,6 +923,23 @@ def micro_batch_line(plan: Plan, cfg: JobConfig) -> str:
     return (
         f"micro-batch  the largest that fits {spare}: {size}; the same bytes per step, fewer launches per step: "
         f"--training.local_batch_size {local} --training.gradient_accumulation_steps {accum}"
+    )
+
+
+CHECKPOINTING_NOT_NEEDED = "checkpointing  not needed at that micro-batch"  # scripts/bench_gpu.py reads it
+
+
+def checkpointing_line(plan: Plan, cfg: JobConfig) -> str | None:
+    """What :func:`without_checkpointing` finds, as one line (None when checkpointing is off)."""
+    off = without_checkpointing(plan, cfg)
+    if off is None:
+        return None
+    nbytes, saved = off
+    if not fits_with_room(plan, nbytes):
+        return f"checkpointing  needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned"
+    return (
+        f"{CHECKPOINTING_NOT_NEEDED}: without it {nbytes / GIB:.1f} GiB planned, which fits; the step skips "
+        f"the recompute, {saved:.0%} of its matmul and attention FLOPs: --activation_checkpoint.mode none"
     )
 
 

@@ -46,10 +46,22 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     report = json.loads((tmp_path / "gpu_1b.json").read_text())
     table = (tmp_path / "gpu_1b.md").read_text()
     rows = report["rows"]
-    assert set(rows) == {"dense_1b", "spider_1b", "spider_1b_static", "spider_1b_packed", "spider_1b_shipped", "no_ac"}
+    assert set(rows) == {
+        "dense_1b",
+        "spider_1b",
+        "spider_1b_static",
+        "spider_1b_packed",
+        "spider_1b_shipped",
+        "spider_1b_planned",
+        "no_ac",
+    }
     # the shipped row keeps the config's shapes and micro-batch whatever --batch says
     shipped = (tmp_path / "spider_1b_shipped" / "config.toml").read_text()
     assert "local_batch_size = 16" in shipped and "packed_capacity = 1.35" in shipped, shipped
+    # the planned row takes spider_1b_1gpu.toml's; without a GPU the planner is not asked
+    planned = (tmp_path / "spider_1b_planned" / "config.toml").read_text()
+    assert "local_batch_size = 16" in planned and 'mode = "recurrent"' in planned, planned
+    assert rows["spider_1b_planned"]["planner"].startswith("the planner runs for a GPU only")
     # a variant is spider_1b_static with its flags
     variant = (tmp_path / "no_ac" / "config.toml").read_text()
     assert 'mode = "none"' in variant and "segment_capacity = 1.5" in variant, variant
@@ -96,7 +108,23 @@ def test_the_run_stops_at_its_total_budget(tmp_path, in_process, monkeypatch):
     rows = json.loads((tmp_path / "gpu_1b.json").read_text())["rows"]
     assert len(budgets) == 1 and 20 < budgets[0] <= 21 and rows["dense_1b"] == {"bytes_per_s": 1.0}
     skipped = [name for name, r in rows.items() if "--total_s" in r.get("skipped", "")]
-    assert skipped == [name for name in rows if name != "dense_1b"] and len(skipped) == 4, rows
+    assert skipped == [name for name in rows if name != "dense_1b"] and len(skipped) == 5, rows
+
+
+def test_the_planned_row_drops_checkpointing_only_when_the_planner_says_so(monkeypatch):
+    """spider_1b_planned reads the planner's checkpointing line (plan.checkpointing_line)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    bench_gpu = importlib.import_module("bench_gpu")
+    from spider_titan.plan import CHECKPOINTING_NOT_NEEDED
+
+    def planner(line):
+        return subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdout=subprocess.PIPE, text=True)
+
+    flags, said = bench_gpu.planned_checkpointing(planner(f"{CHECKPOINTING_NOT_NEEDED}: without it 100.7 GiB"), 60)
+    assert flags == ["--activation_checkpoint.mode", "none"] and said.startswith(CHECKPOINTING_NOT_NEEDED)
+    flags, said = bench_gpu.planned_checkpointing(planner("checkpointing  needed at that micro-batch: 103.8 GiB"), 60)
+    assert flags == [] and "needed" in said
+    assert bench_gpu.planned_checkpointing(None, 60)[0] == []
 
 
 def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
