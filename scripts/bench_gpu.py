@@ -685,7 +685,7 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmark.py gpu_1b", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--out", default="outputs/gpu_1b", help="folder for gpu_1b.md, gpu_1b.json and the rows' run folders"
@@ -731,7 +731,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for all rows together (450: the issue's 8 minutes with start-up); a row gets at most what "
         "is left, and none starts with under 20 s left",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from benchmark import machine
