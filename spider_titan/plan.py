@@ -65,6 +65,7 @@ import logging
 import math
 import sys
 import typing
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -630,11 +631,13 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) ->
             compile_like_trainer(model, spec, recorder)
         weights = ComputeWeights(model, param_dtype) if casts and cfg.training.cast_weights_once else None
         with (
+            warnings.catch_warnings(),  # RMSNorm's fp32 weight under autocast: the GPU run warns once itself
             _gpu_attention() if gpu_attention else _nothing(),
             recorder,
             torch.autocast("cpu", dtype=param_dtype, enabled=casts),
             weights() if weights is not None else _nothing(),
         ):
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             cast = recorder.live
             loss = spec.loss_sum(model(inputs, **extra).logits, labels)  # the logits die here, as in training
             saved = recorder.live - cast
