@@ -89,18 +89,11 @@ COMPONENTS = {
 }
 
 
-def shipped_config():
-    """``CONFIG`` as it ships, parsed (a fresh copy per call)."""
+def shipped_config(path: Path = CONFIG):
+    """The config file ``path`` as it ships, parsed (a fresh copy per call)."""
     from spider_titan.config.manager import parse_args
 
-    return parse_args(["--job.config_file", str(CONFIG)], env={})
-
-
-def one_gpu_config():
-    """``ONE_GPU_CONFIG`` as it ships, parsed."""
-    from spider_titan.config.manager import parse_args
-
-    return parse_args(["--job.config_file", str(ONE_GPU_CONFIG)], env={})
+    return parse_args(["--job.config_file", str(path)], env={})
 
 
 def start_planner() -> subprocess.Popen | None:
@@ -184,7 +177,7 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
     graph = ["--training.cuda_graph", "true"] if torch.cuda.is_available() else []  # a CUDA graph needs CUDA
     fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
-    one = one_gpu_config()
+    one = shipped_config(ONE_GPU_CONFIG)
     one_gpu = ["--training.local_batch_size", str(one.training.local_batch_size)]
     one_gpu += [f"--model.{k}={one.model.overrides[k]}" for k in ("segment_capacity", "packed_capacity")]
     # the order they run in, most telling first, so that --total_s cuts the references of earlier runs

@@ -538,19 +538,17 @@ def _signature(x) -> tuple | str:
     return (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
 
 
-def compile_like_trainer(model: nn.Module, spec, recorder: _LiveStorages) -> int:
+def compile_like_trainer(model: nn.Module, spec, recorder: _LiveStorages) -> None:
     """Puts :class:`CompiledSaves` in place of each block the trainer compiles (parallel/compile.py). A
     checkpointed block keeps its wrapper, which keeps the block's inputs, and runs its block compiled
-    inside: the recompute in backward then holds what the compiled block saves. Returns how many."""
-    count, traced = 0, {}
+    inside: the recompute in backward then holds what the compiled block saves."""
+    traced: dict = {}
     for fqn, block in spec.blocks(model):
         if isinstance(block, CheckpointWrapper):
             block._checkpoint_wrapped_module = CompiledSaves(block._checkpoint_wrapped_module, recorder, traced)
         else:
             container, name = fqn.rsplit(".", 1)
             model.get_submodule(container).register_module(name, CompiledSaves(block, recorder, traced))
-        count += 1
-    return count
 
 
 @dataclass
@@ -809,12 +807,14 @@ def micro_batch_choices(plan: Plan, cfg: JobConfig) -> list[tuple[int, int, int]
     t = cfg.training
     rows = t.local_batch_size * t.gradient_accumulation_steps
     per_row = sum(plan.memory[k] for k in PER_ROW) / t.local_batch_size
+    return [(n, rows // n, split_bytes(plan, n, rows // n, per_row)) for n in range(1, rows + 1) if rows % n == 0]
+
+
+def split_bytes(plan: Plan, local: int, accum: int, per_row: float) -> int:
+    """Bytes per rank planned for micro-batches of ``local`` rows, ``accum`` per step, holding ``per_row``
+    bytes per row (activations and backward transients); the rest of the plan as it is."""
     fixed = plan.total_bytes - sum(plan.memory[k] for k in PER_ROW) - plan.memory.get("accumulated gradients", 0)
-    out = []
-    for local in (n for n in range(1, rows + 1) if rows % n == 0):
-        accum = rows // local
-        out.append((local, accum, round(fixed + local * per_row + (plan.accumulated_grad_bytes if accum > 1 else 0))))
-    return out
+    return round(fixed + local * per_row + (plan.accumulated_grad_bytes if accum > 1 else 0))
 
 
 def fits_with_room(plan: Plan, nbytes: float) -> bool:
@@ -839,11 +839,7 @@ def without_checkpointing(plan: Plan, cfg: JobConfig) -> tuple[int, float] | Non
     if plan.without_ac is None or pick is None:
         return None
     local, accum, _ = pick
-    t = cfg.training
-    with_rows = sum(plan.memory[k] for k in PER_ROW)
-    fixed = plan.total_bytes - with_rows - plan.memory.get("accumulated gradients", 0)
-    rows = plan.without_ac.peak * local / t.local_batch_size
-    nbytes = round(fixed + rows + (plan.accumulated_grad_bytes if accum > 1 else 0))
+    nbytes = split_bytes(plan, local, accum, plan.without_ac.peak / cfg.training.local_batch_size)
     return nbytes, 1 - plan.without_ac.flops / plan.activation.flops
 
 
