@@ -15,7 +15,8 @@ static shapes and its micro-batch of 16 rows, which ``--batch`` does not change;
 step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``; CUDA only),
 ``spider_1b_planned`` (``train_configs/spider_1b_1gpu.toml``'s shapes: 16 rows, slots 1.5, packed 1.35,
 graphed, with activation checkpointing only if the planner finds the micro-batch needs it on this GPU's
-memory; the planner runs beside the first rows, in its own process), ``--variant
+memory, and then the largest compiled memory budget it finds fits; the planner runs beside the first
+rows, in its own process), ``--variant
 rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
 skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts at steady-state
 segmentation: before any timed step its boundary predictor's threshold is set by bisection to within
@@ -109,8 +110,9 @@ def start_planner() -> subprocess.Popen | None:
 
 def planned_checkpointing(planner: subprocess.Popen | None, timeout: float) -> tuple[list[str], str]:
     """(trainer flags, what the planner said) for ``spider_1b_planned``: checkpointing off when the
-    plan finds the micro-batch fits without it (plan.CHECKPOINTING_NOT_NEEDED), else the config's."""
-    from spider_titan.plan import CHECKPOINTING_NOT_NEEDED
+    plan finds the micro-batch fits without it (plan.CHECKPOINTING_NOT_NEEDED), else the compiled
+    memory budget it finds fits (plan.MEMORY_BUDGET_FITS), else the config's."""
+    from spider_titan.plan import CHECKPOINTING_NOT_NEEDED, MEMORY_BUDGET_FITS
 
     if planner is None:
         return [], "the planner runs for a GPU only: the config's checkpointing"
@@ -119,8 +121,14 @@ def planned_checkpointing(planner: subprocess.Popen | None, timeout: float) -> t
     except subprocess.TimeoutExpired:
         planner.kill()
         return [], f"the planner took over {timeout:.0f} s: the config's checkpointing"
-    line = next((x for x in out.splitlines() if x.startswith("checkpointing")), "no checkpointing line")
-    return (["--activation_checkpoint.mode", "none"] if line.startswith(CHECKPOINTING_NOT_NEEDED) else []), line
+    lines = out.splitlines()
+    line = next((x for x in lines if x.startswith("checkpointing")), "no checkpointing line")
+    if line.startswith(CHECKPOINTING_NOT_NEEDED):
+        return ["--activation_checkpoint.mode", "none"], line
+    budget = next((x for x in lines if x.startswith(MEMORY_BUDGET_FITS)), None)
+    if budget is not None:
+        return budget.rpartition(": ")[2].split(), f"{line}; {budget}"
+    return [], line
 
 
 def dense_config(out: Path) -> Path:

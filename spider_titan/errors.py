@@ -116,7 +116,9 @@ def describe_out_of_memory(e: BaseException, where: str) -> str:
         first = first[:157] + "..."
     return (
         f"{where}: out of memory ({first}); use less per step: lower training.local_batch_size (raise "
-        "training.gradient_accumulation_steps to keep the batch), set activation_checkpoint.mode = full, "
+        "training.gradient_accumulation_steps to keep the batch), set activation_checkpoint.mode = full (or, "
+        "compiled, memory_budget with a lower activation_checkpoint.memory_budget: python -m spider_titan.plan "
+        "finds one that fits), "
         "shorten training.seq_len, or shard over more ranks (parallelism.data_parallel_shard_degree)"
     )
 

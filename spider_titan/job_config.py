@@ -255,12 +255,17 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective", "recurrent"] = "none"
+    mode: Literal["none", "full", "selective", "recurrent", "memory_budget"] = "none"
     """``none``; ``full`` every block; ``selective`` op policy or every N-th block; ``recurrent`` the
-    core blocks on every loop (the seed's gradient checkpointing)."""
+    core blocks on every loop (the seed's gradient checkpointing); ``memory_budget`` the compiler's
+    partitioner recomputes what is cheapest until each compiled block saves ``memory_budget``."""
     selective_ac_option: str = "op"
     """``selective`` only: ``op`` (save matmuls/attention except every second matmul) or an integer N
     (checkpoint every N-th block)."""
+    memory_budget: float = ranged(0.5, low=0.0, high=1.0)
+    """``memory_budget`` only (needs ``training.compile``): each compiled block saves this share of
+    what it saves without checkpointing, above what recomputing everything would save (0: recompute
+    all it can; 1: no checkpointing)."""
 
 
 @dataclass

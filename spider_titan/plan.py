@@ -48,7 +48,8 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
 * the micro-batch: the split of the rows per step with the most rows per micro-batch that fits with
   room to spare (:func:`largest_micro_batch`), as the flags that ask for it; and whether that
   micro-batch needs activation checkpointing at all (:func:`without_checkpointing`: the same step
-  measured with it off, and the share of matmul FLOPs its recompute costs).
+  measured with it off, and the share of matmul FLOPs its recompute costs); where it does and blocks
+  are compiled, the largest compiled memory budget that fits (:func:`budget_that_fits`, ``--search_budget``).
 
 Not counted: CUDA context and NCCL buffers (~1-3 GiB), the caching allocator's fragmentation.
 Validated against real gloo runs at debug size (tests/distributed/test_plan_validation.py), real
@@ -63,6 +64,7 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 import sys
 import typing
 import warnings
@@ -115,6 +117,9 @@ class PlanOptions:
     """Memory of one GPU, GiB: the budget of the verdict and of keeping the recurrent core gathered."""
     peak_tflops: float | None = field(default=None, metadata={"range": Range(low=0, low_open=True)})
     """Peak dense TFLOP/s of one GPU; none: H100 bf16 (989), doubled with the float8 converter."""
+    search_budget: bool = True
+    """When checkpointing is needed and blocks are compiled: find the largest compiled memory budget
+    (``activation_checkpoint.mode = "memory_budget"``) that fits, a measurement per budget tried."""
 
 
 PLAN_SECTION = "plan"
@@ -429,6 +434,75 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _is(node: torch.fx.Node, tag: torch.Tag) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and tag in node.target.tags
+
+
+def _fused_nodes(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The call_function nodes Inductor computes inside other kernels instead of into a buffer of their
+    own: views, and pointwise ops whose every reader is a reduction or is itself computed inline (a graph
+    output, a matmul's or any other extern op's input is a buffer)."""
+    inline: set[torch.fx.Node] = set()  # nodes whose every reader computes them inline
+    fused: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op != "call_function":
+            continue
+        view = node.target is operator.getitem or getattr(node.target, "is_view", False)
+        if all(u.op == "call_function" and (_is(u, torch.Tag.reduction) or u in inline) for u in node.users):
+            if view or _is(node, torch.Tag.pointwise):
+                inline.add(node)
+        if view or node in inline:
+            fused.add(node)
+    return fused
+
+
+def _bytes_of(val) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor))
+
+
+class _Buffers:
+    """The buffers a graph's own kernels write as it runs, its outputs included: each op that is not
+    fused (:func:`_fused_nodes`) writes one, freed after the last kernel that reads it, directly or through
+    fused ops. :meth:`peak` is the most they hold at once above what was alive as the graph started,
+    given which of its inputs die when the graph drops them (then at their last read, as in Inductor's
+    code). Matters where backward recomputes (a memory budget): the recomputed buffers live only in there."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        nodes = list(gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        outputs = set(next(n for n in reversed(nodes) if n.op == "output").all_input_nodes)
+        fused = _fused_nodes(nodes)
+        read_at: dict[torch.fx.Node, int] = {}  # when a node's value is read: its own kernel, or its consumers'
+        for node in reversed(nodes):
+            read_at[node] = max((read_at[u] for u in node.users), default=index[node]) if node in fused else index[node]
+        last_read = {n: max((read_at[u] for u in n.users), default=index[n]) for n in nodes}
+        self.inputs_read = [last_read[n] for n in nodes if n.op == "placeholder"]  # by input position
+        self.steps: list[tuple[int, int, int]] = []  # (index, bytes written, index of the free; -1: never)
+        for node in nodes:
+            if node.op == "call_function" and node not in fused:
+                free = -1 if node in outputs else last_read[node]
+                self.steps.append((index[node], _bytes_of(node.meta.get("val")), free))
+
+    def peak(self, dying: dict[int, int]) -> int:
+        """``dying``: input position -> bytes freed once read for the last time."""
+        frees: dict[int, int] = {}
+        for position, nbytes in dying.items():
+            at = self.inputs_read[position]
+            frees[at] = frees.get(at, 0) + nbytes
+        live = peak = 0
+        pending = sorted(frees.items())
+        for at, nbytes, free in self.steps:
+            while pending and pending[0][0] < at:  # inputs read for the last time by an earlier kernel
+                live -= pending.pop(0)[1]
+            live += nbytes
+            peak = max(peak, live)
+            if free >= 0:
+                frees_at = free
+                pending.append((frees_at, nbytes))
+                pending.sort()
+        return peak
+
+
 class _OneOp:
     """A traced graph as one opaque op on fake tensors: its outputs are made from the metadata the trace
     left on them (new storages, or views of the inputs they alias), and its FLOPs are counted once from
@@ -453,6 +527,7 @@ class _OneOp:
             if count is not None:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
                 self.flops += count(*args, **kwargs, out_val=node.meta.get("val"))
+        self.buffers = _Buffers(gm)
 
     def __call__(self, inputs: list) -> list:
         bases: dict[int, torch.Tensor] = {}
@@ -492,12 +567,24 @@ class CompiledSaves(nn.Module):
         op = _OneOp(gm, recorder.formulas)
 
         def run(args):
+            live = recorder.live
+            storages = [t.untyped_storage() if isinstance(t, torch.Tensor) else None for t in args]
+            keys = [None if u is None else u._cdata for u in storages]
+            sizes = {k: u.nbytes() for k, u in zip(keys, storages, strict=True) if k in recorder.refs}
+            del storages
             inputs = list(args)
             args.clear()  # the inputs the outputs do not alias die here, as in Inductor's code
             out = op(inputs)
             del inputs
             if not recorder.paused:
                 recorder.flops += op.flops
+                # the graph's own buffers while it ran, above what was alive as it started; an input that
+                # died with it was freed at its last read (once per storage)
+                dying = {}
+                for position, key in enumerate(keys):
+                    if key in sizes and key not in recorder.refs:
+                        dying[position] = sizes.pop(key)
+                recorder.peak = max(recorder.peak, live + op.buffers.peak(dying))
                 recorder.count_outputs(out)
             return out
 
@@ -581,7 +668,7 @@ def measure_activation_bytes(
     autocast, the matmul weights cast once (``cast_weights_once``; their copies: ``cast_bytes``)."""
     key = (repr(cfg), batch, seq_len, param_dtype, gpu_attention, backward, fsdp)
     if key not in _MEASURED:
-        if len(_MEASURED) >= 8:
+        if len(_MEASURED) >= 16:
             _MEASURED.clear()
         _MEASURED[key] = _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp)
     return _MEASURED[key]
@@ -675,6 +762,8 @@ class Plan:
     accumulated_grad_bytes: int = 0  # the unsharded gradients FSDP keeps between micro-batches (any accumulation)
     # the same micro-batch measured with activation checkpointing off, when the plan is asked (:attr:`without_ac`)
     measure_without_ac: Callable[[], ActivationMeasure] | None = None
+    # the same micro-batch measured under a compiled memory budget (:func:`budget_that_fits`)
+    measure_at_budget: Callable[[float], ActivationMeasure] | None = None
 
     @functools.cached_property
     def without_ac(self) -> ActivationMeasure | None:
@@ -752,11 +841,11 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
         fsdp=bool(groups),
     )
     act = measure(cfg)
-    without_ac = None
+    without_ac = at_budget = None
     if cfg.activation_checkpoint.mode != "none":
-        plain = copy.deepcopy(cfg)
-        plain.activation_checkpoint.mode = "none"
-        without_ac = functools.partial(measure, plain)
+        without_ac = functools.partial(measure, with_checkpointing(cfg, "none"))
+        if cfg.training.compile and opts.search_budget:
+            at_budget = lambda budget: measure(with_checkpointing(cfg, "memory_budget", budget))  # noqa: E731
     if act.cast_bytes:
         memory["compute weights"] = act.cast_bytes
     memory["activations"] = act.bytes
@@ -791,7 +880,17 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
         notes=notes,
         accumulated_grad_bytes=sum(g.accumulated_grad_bytes for g in groups),
         measure_without_ac=without_ac,
+        measure_at_budget=at_budget,
     )
+
+
+def with_checkpointing(cfg: JobConfig, mode: str, budget: float | None = None) -> JobConfig:
+    """A copy of ``cfg`` with activation checkpointing ``mode`` (and ``memory_budget``)."""
+    other = copy.deepcopy(cfg)
+    other.activation_checkpoint.mode = mode
+    if budget is not None:
+        other.activation_checkpoint.memory_budget = budget
+    return other
 
 
 # What a micro-batch must leave free beside the plan: the caching allocator's fragmentation, a share
@@ -841,6 +940,36 @@ def without_checkpointing(plan: Plan, cfg: JobConfig) -> tuple[int, float] | Non
     local, accum, _ = pick
     nbytes = split_bytes(plan, local, accum, plan.without_ac.peak / cfg.training.local_batch_size)
     return nbytes, 1 - plan.without_ac.flops / plan.activation.flops
+
+
+# the compiled memory budgets the plan tries, largest first (:func:`budget_that_fits`)
+BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+
+def budget_that_fits(plan: Plan, cfg: JobConfig) -> tuple[float, int, float] | None:
+    """(budget, bytes planned per rank, its recompute as a share of the unchecked step's matmul and
+    attention FLOPs) of the largest of ``BUDGETS`` under which the micro-batch :func:`largest_micro_batch`
+    picks fits with room, found by bisection (the saved bytes grow with the budget); None when the plan
+    was not asked to search, checkpointing is not needed, or no budget fits."""
+    off = without_checkpointing(plan, cfg)
+    if plan.measure_at_budget is None or off is None or fits_with_room(plan, off[0]):
+        return None
+    local, accum, _ = largest_micro_batch(plan, cfg)
+
+    def planned(budget: float) -> tuple[int, int]:
+        measured = plan.measure_at_budget(budget)
+        return split_bytes(plan, local, accum, measured.peak / cfg.training.local_batch_size), measured.flops
+
+    best = None
+    low, high = 0, len(BUDGETS) - 1  # BUDGETS[high] is the smallest budget
+    while low <= high:
+        mid = (low + high) // 2
+        nbytes, flops = planned(BUDGETS[mid])
+        if fits_with_room(plan, nbytes):
+            best, high = (BUDGETS[mid], nbytes, flops / plan.without_ac.flops - 1), mid - 1
+        else:
+            low = mid + 1
+    return best
 
 
 def expert_all_to_all_bytes(cfg: JobConfig, args, segments: int, dtype: torch.dtype) -> dict[str, int]:
@@ -928,14 +1057,29 @@ def micro_batch_line(plan: Plan, cfg: JobConfig) -> str:
 CHECKPOINTING_NOT_NEEDED = "checkpointing  not needed at that micro-batch"  # scripts/bench_gpu.py reads it
 
 
+MEMORY_BUDGET_FITS = "memory budget  fits at that micro-batch"  # scripts/bench_gpu.py reads it
+
+
 def checkpointing_line(plan: Plan, cfg: JobConfig) -> str | None:
-    """What :func:`without_checkpointing` finds, as one line (None when checkpointing is off)."""
+    """What :func:`without_checkpointing` finds, as one line (None when checkpointing is off), and
+    when it is needed, the line of :func:`budget_that_fits` after it."""
     off = without_checkpointing(plan, cfg)
     if off is None:
         return None
     nbytes, saved = off
     if not fits_with_room(plan, nbytes):
-        return f"checkpointing  needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned"
+        line = f"checkpointing  needed at that micro-batch: without it {nbytes / GIB:.1f} GiB planned"
+        fit = budget_that_fits(plan, cfg)
+        if fit is not None:
+            budget, nbytes, extra = fit
+            ours = plan.activation.flops / plan.without_ac.flops - 1
+            line += (
+                f"\n{MEMORY_BUDGET_FITS}: compiled blocks saving {budget:g} of their activations, "
+                f"{nbytes / GIB:.1f} GiB planned; its recompute adds {extra:.0%} to the matmul and attention FLOPs "
+                f"of the unchecked step, the config's checkpointing {ours:.0%}: "
+                f"--activation_checkpoint.mode memory_budget --activation_checkpoint.memory_budget {budget:g}"
+            )
+        return line
     return (
         f"{CHECKPOINTING_NOT_NEEDED}: without it {nbytes / GIB:.1f} GiB planned, which fits; the step skips "
         f"the recompute, {saved:.0%} of its matmul and attention FLOPs: --activation_checkpoint.mode none"
@@ -951,7 +1095,9 @@ def verdict(plan: Plan) -> str:
         running += nbytes
         if running > budget:
             knob = KNOBS[name]
-            if name in PER_ROW and plan.ac_mode in STRONGER_AC:
+            if name in PER_ROW and plan.ac_mode == "memory_budget":
+                knob += ", or a lower activation_checkpoint.memory_budget"
+            elif name in PER_ROW and plan.ac_mode in STRONGER_AC:
                 knob += f', or activation_checkpoint.mode = "{STRONGER_AC[plan.ac_mode]}"'
             return (
                 f"DOES NOT FIT: {running / GIB:.1f} GiB of {budget / GIB:.0f} GiB reached at {name} "

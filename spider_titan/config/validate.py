@@ -141,6 +141,11 @@ def activation_checkpoint_problems(cfg: JobConfig) -> list[str]:
     option = ac.selective_ac_option
     if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
         return [f"activation_checkpoint.selective_ac_option: {option!r} must be 'op' or a positive integer"]
+    if ac.mode == "memory_budget" and not cfg.training.compile:
+        return [
+            "activation_checkpoint.mode = 'memory_budget': the budget is applied by torch.compile's partitioner, "
+            "so it needs training.compile = true (or use 'recurrent', 'full' or 'selective')"
+        ]
     return []
 
 

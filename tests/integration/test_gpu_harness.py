@@ -109,10 +109,11 @@ def test_the_run_stops_at_its_total_budget(tmp_path, in_process, monkeypatch):
 
 
 def test_the_planned_row_drops_checkpointing_only_when_the_planner_says_so(monkeypatch):
-    """spider_1b_planned reads the planner's checkpointing line (plan.checkpointing_line)."""
+    """spider_1b_planned reads the planner's checkpointing lines (plan.checkpointing_line): none when
+    the micro-batch fits without, the memory budget's flags when one fits, the config's otherwise."""
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     bench_gpu = importlib.import_module("bench_gpu")
-    from spider_titan.plan import CHECKPOINTING_NOT_NEEDED
+    from spider_titan.plan import CHECKPOINTING_NOT_NEEDED, MEMORY_BUDGET_FITS
 
     def planner(line):
         return subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdout=subprocess.PIPE, text=True)
@@ -121,6 +122,13 @@ def test_the_planned_row_drops_checkpointing_only_when_the_planner_says_so(monke
     assert flags == ["--activation_checkpoint.mode", "none"] and said.startswith(CHECKPOINTING_NOT_NEEDED)
     flags, said = bench_gpu.planned_checkpointing(planner("checkpointing  needed at that micro-batch: 103.8 GiB"), 60)
     assert flags == [] and "needed" in said
+    needed = "checkpointing  needed at that micro-batch: without it 100.7 GiB planned"
+    budget = f"{MEMORY_BUDGET_FITS}: 0.4 of them, 63.1 GiB planned: --activation_checkpoint.mode memory_budget "
+    flags, said = bench_gpu.planned_checkpointing(
+        planner(f"{needed}\n{budget}--activation_checkpoint.memory_budget 0.4"), 60
+    )
+    assert flags == ["--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.4"]
+    assert said.startswith(needed) and MEMORY_BUDGET_FITS in said
     assert bench_gpu.planned_checkpointing(None, 60)[0] == []
 
 

@@ -58,12 +58,13 @@ def test_fp8_tracks_high_precision_over_30_steps(tmp_path):
 # (MoE backend, balancing, n_loops, activation checkpointing, (segment, packed) capacity): both backends, both
 # balancing modes ("both" is aux-loss and aux-free together), more loops than the default (a loop index
 # traced as a Python int would recompile once per loop), the 1B configs' recurrent AC (the load counts
-# are mutated inside its checkpoint), and static shapes as the 1B configs ship them (segment slots, the
-# core packed into a fixed number of positions) beside counted segments.
+# are mutated inside its checkpoint), a compiled memory budget (the partitioner recomputes part of each
+# block in backward; the eager reference checkpoints nothing), and static shapes as the 1B
+# configs ship them (segment slots, the core packed into a fixed number of positions) beside counted segments.
 # The Triton case runs its kernels in Triton's interpreter, seconds a step: 8 steps (5 at 1e-5, the
 # acceptance of issue 39, and 3 more of drift); the torch case keeps 12.
 COMPILE_CASES = [
-    ("triton", "aux_loss", 2, "none", (0.0, 0.0), 8),
+    ("triton", "aux_loss", 2, "memory_budget", (0.0, 0.0), 8),
     ("torch", "both", 3, "recurrent", (1.5, 1.35), 12),
 ]
 
@@ -71,7 +72,7 @@ COMPILE_CASES = [
 @pytest.mark.parametrize(
     "backend, balance, n_loops, ac, capacity, steps",
     COMPILE_CASES,
-    ids=["triton-aux_loss-2-none-dynamic", "torch-both-3-recurrent-static"],
+    ids=["triton-aux_loss-2-budget-dynamic", "torch-both-3-recurrent-static"],
 )
 def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n_loops, ac, capacity, steps, tmp_path):
     """Every block compiled with fullgraph=True (inductor on CPU), 8-12 steps whose segment counts vary
@@ -98,8 +99,6 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
         str(capacity[0]),
         "--model.packed_capacity",
         str(capacity[1]),
-        "--activation_checkpoint.mode",
-        ac,
         "--validation.enable",
         "false",
         "--metrics.enable_tensorboard",
@@ -109,10 +108,14 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
         "--checkpoint.export_at_end",
         "false",
     ]
-    eager = run_train(args + ["--job.dump_folder", str(tmp_path / "eager")])
+    budget = ["--activation_checkpoint.memory_budget", "0.3"] if ac == "memory_budget" else []
+    eager_ac = "none" if ac == "memory_budget" else ac  # the budget is the compiler's alone
+    eager = run_train(args + ["--activation_checkpoint.mode", eager_ac, "--job.dump_folder", str(tmp_path / "eager")])
     check_ok(eager)
     compiled = run_train(
-        args + ["--training.compile", "true", "--job.dump_folder", str(tmp_path / "compiled")],
+        args
+        + ["--activation_checkpoint.mode", ac, *budget]
+        + ["--training.compile", "true", "--job.dump_folder", str(tmp_path / "compiled")],
         env={"TORCH_LOGS": "graph_breaks,recompiles"},
     )
     check_ok(compiled)

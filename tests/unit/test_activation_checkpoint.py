@@ -90,3 +90,16 @@ def test_recompute_replays_the_forward_routing(mode, option, monkeypatch):
     assert next(calls["n"]) == n_forward > 0  # the recompute did not route again
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_memory_budget_is_set_for_the_compiler_and_reset_by_every_other_mode():
+    """``memory_budget`` hands its budget to torch.compile's partitioner (a process-wide setting); a
+    later build with another mode sets torch's default back, so no budget leaks into the next run."""
+    budget = ["--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.3"]
+    try:
+        build_model(parse_args([*budget, "--training.compile", "true"], env={}))
+        assert torch._functorch.config.activation_memory_budget == 0.3
+        build_model(parse_args(["--activation_checkpoint.mode", "recurrent"], env={}))
+        assert torch._functorch.config.activation_memory_budget == 1.0
+    finally:
+        torch._functorch.config.activation_memory_budget = 1.0

@@ -288,6 +288,9 @@ BAD_VALUES = [
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
         "activation_checkpoint.selective_ac_option",
     ),
+    (["--activation_checkpoint.memory_budget", "1.5"], "activation_checkpoint.memory_budget"),
+    # the budget is the compiler's partitioner's: without compile it would do nothing
+    (["--training.compile", "false", "--activation_checkpoint.mode", "memory_budget"], "activation_checkpoint.mode"),
     (["--moe.aux_loss_coeff", "-1"], "moe.aux_loss_coeff"),
     (["--moe.bias_update_rate", "-1e-3"], "moe.bias_update_rate"),
     (["--checkpoint.interval", "0"], "checkpoint.interval"),
