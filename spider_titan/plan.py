@@ -399,10 +399,16 @@ class _LiveStorages(TorchDispatchMode):
         return out
 
 
-def _efficient_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, **_) -> torch.Tensor:
+def _efficient_attention(
+    q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, **_
+) -> torch.Tensor:
     """The GPU's fused attention as the plan sees it: memory-efficient attention's own op. Its autograd
     saves q, k, v, the output and an fp32 logsumexp per query, never the T x T scores; it runs on fake
-    tensors through its meta kernel, and a compiled block's partitioner sees one opaque op."""
+    tensors through its meta kernel, and a compiled block's partitioner sees one opaque op. Grouped
+    keys and values (``enable_gqa``, the dense model) are repeated to the query heads first, as that
+    kernel needs them (an upper bound where a GPU kernel reads the groups in place)."""
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, is_causal=is_causal, scale=scale
     )[0]
