@@ -98,6 +98,9 @@ def apply_ac(model: nn.Module, spec: ModelSpec, cfg: ActivationCheckpoint) -> in
     """Wrap blocks as ``cfg`` ([activation_checkpoint]) says; returns how many were wrapped."""
     budget = cfg.memory_budget if cfg.mode == "memory_budget" else 1.0
     torch._functorch.config.activation_memory_budget = budget
+    # the budget sizes every value the partitioner could save; under expert parallel a compiled block also
+    # takes a script object (its process group), which it cannot size: an input, so saving it costs nothing
+    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = cfg.mode == "memory_budget"
     if cfg.mode == "memory_budget":
         logger.info("activation checkpointing memory_budget: compiled blocks save %.2f of their activations", budget)
     if cfg.mode in ("none", "memory_budget"):

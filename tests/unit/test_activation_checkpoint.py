@@ -99,7 +99,10 @@ def test_the_memory_budget_is_set_for_the_compiler_and_reset_by_every_other_mode
     try:
         build_model(parse_args([*budget, "--training.compile", "true"], env={}))
         assert torch._functorch.config.activation_memory_budget == 0.3
+        assert torch._functorch.config.unsafe_treat_script_objects_as_zero_size  # expert parallel's groups
         build_model(parse_args(["--activation_checkpoint.mode", "recurrent"], env={}))
         assert torch._functorch.config.activation_memory_budget == 1.0
+        assert not torch._functorch.config.unsafe_treat_script_objects_as_zero_size
     finally:
         torch._functorch.config.activation_memory_budget = 1.0
+        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = False
