@@ -483,29 +483,24 @@ class _Buffers:
             read_at[node] = max((read_at[u] for u in node.users), default=index[node]) if node in fused else index[node]
         last_read = {n: max((read_at[u] for u in n.users), default=index[n]) for n in nodes}
         self.inputs_read = [last_read[n] for n in nodes if n.op == "placeholder"]  # by input position
-        self.steps: list[tuple[int, int, int]] = []  # (index, bytes written, index of the free; -1: never)
+        # (position, bytes) as the graph runs: a buffer is written at its op's index and freed just after
+        # its last reader's (an output is never freed here)
+        self.events: list[tuple[float, int]] = []
         for node in nodes:
             if node.op == "call_function" and node not in fused:
-                free = -1 if node in outputs else last_read[node]
-                self.steps.append((index[node], _bytes_of(node.meta.get("val")), free))
+                nbytes = _bytes_of(node.meta.get("val"))
+                self.events.append((index[node], nbytes))
+                if node not in outputs:
+                    self.events.append((last_read[node] + 0.5, -nbytes))
+        self.events.sort()
 
     def peak(self, dying: dict[int, int]) -> int:
         """``dying``: input position -> bytes freed once read for the last time."""
-        frees: dict[int, int] = {}
-        for position, nbytes in dying.items():
-            at = self.inputs_read[position]
-            frees[at] = frees.get(at, 0) + nbytes
+        freed = [(self.inputs_read[position] + 0.5, -nbytes) for position, nbytes in dying.items()]
         live = peak = 0
-        pending = sorted(frees.items())
-        for at, nbytes, free in self.steps:
-            while pending and pending[0][0] < at:  # inputs read for the last time by an earlier kernel
-                live -= pending.pop(0)[1]
+        for _, nbytes in sorted(self.events + freed) if freed else self.events:
             live += nbytes
             peak = max(peak, live)
-            if free >= 0:
-                frees_at = free
-                pending.append((frees_at, nbytes))
-                pending.sort()
         return peak
 
 
