@@ -156,6 +156,10 @@ class Training:
     CPU bf16 matmuls are slower than fp32 and gloo reductions are checked in fp32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """dtype of gradient reduce-scatter under FSDP."""
+    mixed_precision_mode: Literal["params", "autocast"] = "params"
+    """Without FSDP on a GPU: ``params`` casts every parameter to mixed_precision_param once per step
+    and runs without autocast, as FSDP does (bf16 activations and residual stream); ``autocast``
+    keeps fp32 parameters under torch.autocast (fp32 residual stream, norms and adds)."""
     cast_weights_once: bool = True
     """Under autocast (one GPU, no FSDP): cast the matmul weights to the compute dtype once per step,
     shared by every loop, micro-batch and recompute (parallel/precision.py), not at every use."""

@@ -30,15 +30,16 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
   beyond them (recomputed blocks, activation gradients). The blocks the trainer compiles run as
   torch.compile partitions them (:class:`CompiledSaves`: AOT autograd, Inductor's decompositions and
   min-cut partitioner), each compiled graph counted by what it returns, as its fused kernels keep
-  little else. Without FSDP the step runs as the builder sets it up on a GPU: fp32 parameters under
-  autocast, the matmul weights cast once ("compute weights"). Assumptions, each stated in the output:
+  little else. Without FSDP the step runs as the builder sets it up on a GPU: fp32 parameters cast
+  once per step ("compute weights"), all of them (``mixed_precision_mode = "params"``) or the matmul
+  weights under autocast. Assumptions, each stated in the output:
   - the one data-dependent host read of the forward (Spider's segment count S) returns
     ``ceil(seq_len * moe_tokens_per_byte)`` of the model's spec (Spider: one segment per
     ``target_bytes_per_segment`` bytes); boolean checks read "true";
   - attention saves what the GPU kernels save (q, k, v, output, fp32 logsumexp), not the T x T
     matrix of the CPU math fallback (MLA's qk and v head dims differ, which CPU flash refuses);
   - the MoE backend is ``torch`` (the Triton kernels do not run on fake CPU tensors);
-  - autocast is the CPU's (its fp32 op list is shorter than CUDA's);
+  - under ``mixed_precision_mode = "autocast"``, autocast is the CPU's (its fp32 op list is shorter than CUDA's);
 * reduce-scatter staging: the largest unit's reduce-scatter input (its unsharded gradient, reduce dtype);
 * collectives per step, by kind and FSDP unit / MoE layer, with the CommCounter's conventions
   (parallel/comm_counter.py): all-gather = gathered output, reduce-scatter = input, all-to-all =
@@ -665,8 +666,9 @@ def measure_activation_bytes(
     """Bytes one micro-batch's forward and loss leave alive for backward, and the most alive at once
     over forward and (``backward``) backward, at the config's width, with its converters, activation
     checkpointing and compiled blocks, on fake tensors (module docstring). Without ``fsdp`` and with a
-    ``param_dtype`` below fp32, the step runs as the builder sets it up on a GPU: fp32 parameters under
-    autocast, the matmul weights cast once (``cast_weights_once``; their copies: ``cast_bytes``)."""
+    ``param_dtype`` below fp32, the step runs as the builder sets it up on a GPU: fp32 parameters cast
+    once per step (``mixed_precision_mode``: all of them, or the matmul weights under autocast; their
+    copies: ``cast_bytes``)."""
     key = (repr(cfg), batch, seq_len, param_dtype, gpu_attention, backward, fsdp)
     if key not in _MEASURED:
         if len(_MEASURED) >= 16:
@@ -677,7 +679,7 @@ def measure_activation_bytes(
 
 def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) -> ActivationMeasure:
     from spider_titan.components.builder import build_model
-    from spider_titan.parallel.precision import ComputeWeights
+    from spider_titan.parallel.precision import compute_precision
 
     compiled = cfg.training.compile
     casts = not fsdp and param_dtype != torch.float32
@@ -715,12 +717,12 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) ->
         recorder = _LiveStorages(known, segments)
         if compiled:
             compile_like_trainer(model, spec, recorder)
-        weights = ComputeWeights(model, param_dtype) if casts and cfg.training.cast_weights_once else None
+        autocast_dtype, weights = compute_precision(model, cfg.training, param_dtype if casts else None)
         with (
             warnings.catch_warnings(),  # RMSNorm's fp32 weight under autocast: the GPU run warns once itself
             _gpu_attention() if gpu_attention else _nothing(),
             recorder,
-            torch.autocast("cpu", dtype=param_dtype, enabled=casts),
+            torch.autocast("cpu", dtype=param_dtype, enabled=autocast_dtype is not None),
             weights() if weights is not None else _nothing(),
         ):
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
@@ -788,7 +790,8 @@ KNOBS = {
     'or training.mixed_precision_reduce = "bfloat16"',
     "gathered units": "parallelism.fsdp_keep_core_gathered_fraction = 0 (reshard the core after forward)",
     "reduce-scatter staging": 'training.mixed_precision_reduce = "bfloat16"',
-    "compute weights": "training.cast_weights_once = false (each use casts its weight again), or FSDP",
+    "compute weights": 'training.mixed_precision_mode = "autocast" with cast_weights_once = false '
+    "(each use casts its weight again), or FSDP",
     "activations": "a smaller training.local_batch_size (more gradient_accumulation_steps)",
     "backward transients": "a smaller training.local_batch_size (more gradient_accumulation_steps)",
 }

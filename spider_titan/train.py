@@ -171,7 +171,8 @@ class Trainer:
         this run lacks for it."""
         run = self.run
         blockers = run.spec.graph_blockers(run.model_args) if run.spec.graph_blockers is not None else []
-        fp32_experts = run.autocast_dtype is None and any(isinstance(m, MoE) for m in run.model.modules())
+        compute_dtype = run.compute_weights.dtype if run.compute_weights is not None else run.autocast_dtype
+        fp32_experts = compute_dtype in (None, torch.float32) and any(isinstance(m, MoE) for m in run.model.modules())
         missing = graph_blockers(
             device=run.device, world_size=self.world_size, model_blockers=blockers, fp32_experts=fp32_experts
         )

@@ -46,7 +46,7 @@ from spider_titan.parallel.comm_counter import COMM_COUNTS_FILE, CommCounter
 from spider_titan.parallel.compile import apply_compile
 from spider_titan.parallel.fsdp import fsdp_wrapped
 from spider_titan.parallel.mesh import ParallelDims
-from spider_titan.parallel.precision import ComputeWeights
+from spider_titan.parallel.precision import ComputeWeights, compute_precision
 from spider_titan.protocol import DTYPES, ModelSpec, PostStepHook
 
 logger = logging.getLogger("spider_titan")
@@ -72,7 +72,7 @@ class Run:
     metric_logger: MetricLogger
     total_steps: int  # with a FLOPs budget: the most steps the run may take
     autocast_dtype: torch.dtype | None
-    compute_weights: ComputeWeights | None  # training.cast_weights_once under autocast
+    compute_weights: ComputeWeights | None  # mixed_precision_mode "params", or cast_weights_once under autocast
     flops_budget: FlopsBudget | None  # training.flops_budget: the loop ends the run and the decay follows it
     # The one after-step seam: callables run after every optimizer step, in this order. Converters
     # (float8 scale precompute), the parallelize component (the comm counter's step) and load
@@ -239,10 +239,10 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
             counter=counter,
         )
     )
-    # FSDP's MixedPrecisionPolicy casts parameters itself; without it, autocast does the job.
+    # FSDP's MixedPrecisionPolicy casts parameters itself; without it, the train step casts them
+    # once per step as FSDP would (mixed_precision_mode "params"), or autocast does the job.
     casts = device.type == "cuda" and param_dtype != torch.float32 and not fsdp_wrapped(model)
-    autocast_dtype = param_dtype if casts else None
-    compute_weights = ComputeWeights(model, autocast_dtype) if casts and cfg.training.cast_weights_once else None
+    autocast_dtype, compute_weights = compute_precision(model, cfg.training, param_dtype if casts else None)
 
     # 10) optimizer, 11) lr scheduler
     optimizer = registry.get("optimizer", cfg.optimizer.name)(

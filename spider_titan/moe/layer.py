@@ -9,12 +9,14 @@ waits on the host, so the layer is CUDA-graph and ``torch.compile`` friendly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spider_titan.moe.base import MoEBackend, compute_dtype, op_namespace
 from spider_titan.moe.routing_replay import is_recomputing, replay_or_record
@@ -154,6 +156,13 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w2, std=out_std)
 
 
+def _must_save(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
+_must_save_context = functools.partial(create_selective_checkpoint_contexts, _must_save)
+
+
 @dataclass
 class MoEStats:
     """Load-balance statistics of one MoE call, over real tokens only (``token_mask``).
@@ -220,9 +229,20 @@ class MoE(nn.Module):
         self.count_load = False
         # Sums a tensor over the data-parallel ranks, differentiably (class docstring); training only.
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Compiled memory budgets (activation_checkpoint.mode "memory_budget") set it: see ``select``.
+        self.save_selection = False
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """The routing decision: scores (T, E) -> topk_idx (T, k) over ``scores + expert_bias``."""
+        """The routing decision: scores (T, E) -> topk_idx (T, k) over ``scores + expert_bias``.
+
+        Under a compiled memory budget the partitioner may recompute the top-k in backward from
+        recomputed scores, and a recompute that rounds differently would pick other experts than the
+        forward: with ``save_selection`` the selection is a must-save selective-checkpoint region."""
+        if self.save_selection:
+            return checkpoint(self._select, scores, use_reentrant=False, context_fn=_must_save_context)
+        return self._select(scores)
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

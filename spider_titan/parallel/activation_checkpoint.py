@@ -14,7 +14,8 @@ Modes (``[activation_checkpoint] mode``):
   saves unchecked (above the floor of recomputing everything), cheapest recompute first by FLOPs:
   pointwise ops and gathers before matmuls. At Spider 1B, 16 rows, the planner measures 0.5 at 60 %
   of the activations for 5 % more matmul FLOPs, where ``recurrent`` recomputes 18 % (docs/benchmarks.md).
-  Process-wide torch config: every other mode sets it back to 1 (torch's default).
+  Process-wide torch config: every other mode sets it back to 1 (torch's default). The MoE top-k is
+  always saved (``MoE.save_selection``), never recomputed: a recompute could route differently.
 
 Wrapping uses non-reentrant ``checkpoint_wrapper``: recomputation replays the same RNG state, and
 ``torch.distributed.checkpoint`` strips the wrapper's name from state-dict keys. Each checkpointed
@@ -34,6 +35,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from spider_titan.job_config import ActivationCheckpoint
+from spider_titan.moe.layer import MoE
 from spider_titan.moe.routing_replay import RoutingReplay
 from spider_titan.protocol import ModelSpec
 
@@ -101,6 +103,9 @@ def apply_ac(model: nn.Module, spec: ModelSpec, cfg: ActivationCheckpoint) -> in
     # the budget sizes every value the partitioner could save; under expert parallel a compiled block also
     # takes a script object (its process group), which it cannot size: an input, so saving it costs nothing
     torch._functorch.config.unsafe_treat_script_objects_as_zero_size = cfg.mode == "memory_budget"
+    for module in model.modules():  # the MoE top-k is saved, never recomputed under a budget (MoE.select)
+        if isinstance(module, MoE):
+            module.save_selection = cfg.mode == "memory_budget"
     if cfg.mode == "memory_budget":
         logger.info("activation checkpointing memory_budget: compiled blocks save %.2f of their activations", budget)
     if cfg.mode in ("none", "memory_budget"):

@@ -1,4 +1,4 @@
-"""Compute weights: matmul weights cast to the autocast dtype once per optimizer step.
+"""Compute weights: parameters cast to the compute dtype once per optimizer step.
 
 Under autocast every use of a weight casts it again: each of the core's loops, each micro-batch,
 each activation-checkpoint recompute, and every explicit ``w.to(x.dtype)`` (the MoE experts, the
@@ -9,6 +9,10 @@ forward, its loops and the backward's recompute all read those, and each copy's 
 back through its one cast into the fp32 parameter's ``.grad`` (accumulated there in fp32 across
 micro-batches). Autocast stays on for everything else, so the forward computes exactly what plain
 autocast computes: autocast rounds these weights to the same dtype at every use anyway.
+
+With ``every_param`` (``training.mixed_precision_mode = "params"``) every floating parameter is cast,
+embedding tables and norm gains included, and the step runs without autocast: what FSDP's
+MixedPrecisionPolicy computes, so activations and the residual stream are bf16, not fp32.
 """
 
 from __future__ import annotations
@@ -30,13 +34,19 @@ def matmul_weight_names(model: nn.Module) -> list[str]:
     ]
 
 
-class ComputeWeights:
-    """``with compute_weights(): ...``: the model's matmul weights in ``dtype``, cast on entry, for
-    every forward and backward inside (the train step wraps all its micro-batches in one)."""
+def floating_param_names(model: nn.Module) -> list[str]:
+    """Every floating parameter: what FSDP's MixedPrecisionPolicy casts to its param dtype."""
+    return [name for name, p in model.named_parameters() if p.is_floating_point()]
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+
+class ComputeWeights:
+    """``with compute_weights(): ...``: the model's matmul weights (``every_param``: all its floating
+    parameters) in ``dtype``, cast on entry, for every forward and backward inside (the train step
+    wraps all its micro-batches in one)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, every_param: bool = False):
         self.model, self.dtype = model, dtype
-        self.names = matmul_weight_names(model)
+        self.names = floating_param_names(model) if every_param else matmul_weight_names(model)
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
@@ -44,3 +54,15 @@ class ComputeWeights:
         cast = {name: params[name].to(self.dtype) for name in self.names}
         with _reparametrize_module(self.model, cast, tie_weights=True):
             yield
+
+
+def compute_precision(
+    model: nn.Module, training, dtype: torch.dtype | None
+) -> tuple[torch.dtype | None, ComputeWeights | None]:
+    """``(autocast_dtype, compute_weights)`` for a model the train step casts itself (no FSDP) to
+    ``dtype`` (None: it computes in its parameters' dtype); ``training`` is the [training] section."""
+    if dtype is None:
+        return None, None
+    if training.mixed_precision_mode == "params":
+        return None, ComputeWeights(model, dtype, every_param=True)
+    return dtype, ComputeWeights(model, dtype) if training.cast_weights_once else None

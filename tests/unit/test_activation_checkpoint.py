@@ -7,6 +7,7 @@ import torch
 
 from spider_titan.components.builder import build_model, materialize
 from spider_titan.config.manager import parse_args
+from spider_titan.moe.layer import MoE
 from spider_titan.protocol import lm_loss_mean
 
 MODES = [("full", "op"), ("selective", "op"), ("selective", "2"), ("recurrent", "op")]
@@ -97,12 +98,62 @@ def test_the_memory_budget_is_set_for_the_compiler_and_reset_by_every_other_mode
     later build with another mode sets torch's default back, so no budget leaks into the next run."""
     budget = ["--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.3"]
     try:
-        build_model(parse_args([*budget, "--training.compile", "true"], env={}))
+        _, _, model = build_model(parse_args([*budget, "--training.compile", "true"], env={}))
         assert torch._functorch.config.activation_memory_budget == 0.3
         assert torch._functorch.config.unsafe_treat_script_objects_as_zero_size  # expert parallel's groups
-        build_model(parse_args(["--activation_checkpoint.mode", "recurrent"], env={}))
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        assert moes and all(m.save_selection for m in moes)  # the top-k is saved (next test)
+        _, _, model = build_model(parse_args(["--activation_checkpoint.mode", "recurrent"], env={}))
         assert torch._functorch.config.activation_memory_budget == 1.0
         assert not torch._functorch.config.unsafe_treat_script_objects_as_zero_size
+        assert not any(m.save_selection for m in model.modules() if isinstance(m, MoE))
     finally:
         torch._functorch.config.activation_memory_budget = 1.0
         torch._functorch.config.unsafe_treat_script_objects_as_zero_size = False
+
+
+@pytest.mark.parametrize("save_selection", [True, False])
+def test_under_a_memory_budget_the_moe_top_k_is_saved_not_recomputed(save_selection):
+    """A compiled memory budget lets the partitioner recompute any op in backward, and it does recompute
+    the MoE's top-k (the control, ``save_selection`` off): a recompute that rounds the scores differently
+    would route the backward to other experts. With it on, the backward graph has no top-k, and the
+    gradients are the eager ones."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    backward_graphs = []
+
+    def keep_backward(gm, _):
+        backward_graphs.append(gm.graph)
+        return gm.forward
+
+    def backend(gm, inputs):
+        return aot_module_simplified(
+            gm,
+            inputs,
+            fw_compiler=lambda gm, _: gm.forward,
+            bw_compiler=keep_backward,
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+        )
+
+    torch.manual_seed(0)
+    moe = MoE(64, 8, 2, 64)
+    moe.init_weights(0.02, 0.02)
+    moe.save_selection = save_selection
+    x = torch.randn(256, 64, requires_grad=True)
+    torch._dynamo.reset()
+    torch._functorch.config.activation_memory_budget = 0.05
+    try:
+        torch.compile(lambda x: moe(x)[0], backend=backend)(x).square().sum().backward()
+    finally:
+        torch._functorch.config.activation_memory_budget = 1.0
+        torch._dynamo.reset()
+    (graph,) = backward_graphs
+    topk = [n for n in graph.nodes if n.op == "call_function" and "topk" in str(n.target)]
+    assert bool(topk) != save_selection, graph
+    compiled = x.grad.clone()
+    x.grad = None
+    moe(x)[0].square().sum().backward()
+    torch.testing.assert_close(compiled, x.grad, rtol=1e-5, atol=1e-7)

@@ -91,3 +91,47 @@ def test_each_weight_is_cast_once_per_step_and_the_forward_is_unchanged(in_proce
     assert once[0]["grad_norm"] == pytest.approx(plain[0]["grad_norm"], rel=1e-2)
     for a, b in zip(once[1:], plain[1:]):
         assert a["ce_sum"] == pytest.approx(b["ce_sum"], rel=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_params_mode_computes_what_a_bf16_copy_computes():
+    """training.mixed_precision_mode = "params" (the default without FSDP on a GPU) casts every floating
+    parameter once and runs without autocast: FSDP's MixedPrecisionPolicy. So a forward and backward
+    give exactly the logits of a bf16 copy of the model, and gradients equal to the copy's, cast to fp32.
+    Autocast, the control, does not: its residual stream stays fp32, so its logits differ."""
+    import copy
+
+    from spider_titan.job_config import Training
+    from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+    from spider_titan.parallel.precision import compute_precision, floating_param_names
+
+    bf16 = torch.bfloat16
+    torch.manual_seed(0)
+    model = Spider(dataclasses.replace(SPIDER_FLAVORS["debug"], n_core=1, n_prelude=1, n_coda=1))
+    model.init_weights()
+    copied = copy.deepcopy(model).to(bf16)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    autocast_dtype, weights = compute_precision(model, Training(mixed_precision_mode="params"), bf16)
+    assert autocast_dtype is None and weights.names == floating_param_names(model)
+    params = list(model.named_parameters())
+    with ParameterCasts(params) as counter, weights():
+        out = model(ids, labels=ids)
+        out.loss.backward()
+    assert counter.casts == Counter({name: 1 for name, p in params if p.is_floating_point()})  # each once
+    ref = copied(ids, labels=ids)
+    ref.loss.backward()
+    assert out.logits.dtype == bf16 and torch.equal(out.logits, ref.logits)
+    for (name, p), q in zip(params, copied.parameters()):
+        assert torch.equal(p.grad, q.grad.float()), name
+
+    autocast_dtype, weights = compute_precision(model, Training(mixed_precision_mode="autocast"), bf16)
+    assert autocast_dtype == bf16 and weights.names == matmul_weight_names(model)
+    with torch.autocast("cpu", dtype=bf16), weights():
+        plain = model(ids, labels=ids)
+    assert not torch.equal(plain.logits, ref.logits)
+    assert compute_precision(model, Training(mixed_precision_mode="autocast", cast_weights_once=False), bf16) == (
+        bf16,
+        None,
+    )
+    assert compute_precision(model, Training(), None) == (None, None)  # fp32 (a CPU run): no casts

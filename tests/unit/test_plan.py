@@ -256,8 +256,10 @@ def test_the_1gpu_config_is_the_planners_pick_and_its_plan_matches_the_h200():
     """spider_1b_1gpu.toml ships the largest micro-batch the planner finds room for on one 80 GiB GPU.
     Two rows of run C (docs/benchmarks.md), measured on an H200 without FSDP at the config's shapes,
     peaked within 12 % of their plans: 16 x 4096 with recurrent checkpointing at 56.08 GiB, 4 x 4096
-    without it at 34.39 GiB. On the H200's 141 GiB the 16 rows need no checkpointing; on 80 GiB they do."""
+    without it at 34.39 GiB. On the H200's 141 GiB the 16 rows need no checkpointing; on 80 GiB they do.
+    Run C computed under autocast, so this plans it (the default, "params", plans smaller: its own test)."""
     config = ["--job.config_file", str(REPO / "train_configs" / "spider_1b_1gpu.toml")]
+    config += ["--training.mixed_precision_mode", "autocast"]
     cfg = parse_args(config)
     plan = make_plan(cfg, PlanOptions(ngpu=1))
     assert largest_micro_batch(plan, cfg)[:2] == (
