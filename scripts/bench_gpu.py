@@ -17,8 +17,10 @@ step's forward and backward replayed as one CUDA graph: ``training.cuda_graph``;
 graphed, with activation checkpointing only if the planner finds the micro-batch needs it on this GPU's
 memory, and then the largest compiled memory budget it finds fits; the planner runs beside the first
 rows, in its own process), ``--variant
-rows (static with more flags) and ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
-skipped with the reason where torchao or the GPU cannot run it). Every Spider row starts at steady-state
+rows (static with more flags), ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
+skipped with the reason where torchao or the GPU cannot run it) and ``spider_1b_graph_autocast``
+(``spider_1b_graph`` with fp32 parameters under autocast, as one GPU computed until 2026-11-28: the
+default since casts every parameter to bf16 once per step, ``training.mixed_precision_mode``). Every Spider row starts at steady-state
 segmentation: before any timed step its boundary predictor's threshold is set by bisection to within
 5 % of the target rate on the run's own first batch (``warm_router``), so the timed steps see ~4 bytes
 per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
@@ -34,8 +36,8 @@ optimizer step) beside its share of the FLOPs. A timed step slower than 2x the m
 what happened during it (``slow_steps``: dynamo recompiles, Triton JIT compiles of the MoE kernels, the
 CUDA allocator's new allocations and retries), so a stall names its cause. A row stops taking steps
 once it has used its time budget (``--budget_s``), so a slow row cannot eat the run, and the whole run
-stops at ``--total_s``. The rows run most telling first: dense, graph, planned, shipped, fp8, packed,
-static, dynamic, then the variants.
+stops at ``--total_s``. The rows run most telling first: dense, graph, planned, shipped, fp8, graph
+under autocast, packed, static, dynamic, then the variants.
 """
 
 from __future__ import annotations
@@ -197,11 +199,13 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         # the 8-GPU config's shapes and micro-batch (the planner's pick) as shipped, on one GPU (no FSDP)
         ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped.training.local_batch_size)]),
         ("spider_1b_fp8", base + spider + packed + graph + fp8),
+        # spider_1b_graph as one GPU computed before the eighteenth session: fp32 parameters under autocast
+        ("spider_1b_graph_autocast", base + spider + packed + graph + ["--training.mixed_precision_mode", "autocast"]),
         ("spider_1b_packed", base + spider + packed),
         ("spider_1b_static", base + spider + static),
         ("spider_1b", base + spider + dynamic),
     ]
-    skip = {"spider_1b_graph"} if not graph else set()
+    skip = {"spider_1b_graph", "spider_1b_graph_autocast"} if not graph else set()
     skip |= {"spider_1b_fp8"} if args.no_fp8 else set()
     out = [(name, flags) for name, flags in out if name not in skip]
     for variant in args.variant:  # NAME=FLAGS: spider_1b_static with more flags
