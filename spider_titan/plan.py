@@ -679,6 +679,7 @@ def measure_activation_bytes(
 
 def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) -> ActivationMeasure:
     from spider_titan.components.builder import build_model
+    from spider_titan.moe.layer import MoE
     from spider_titan.parallel.precision import compute_precision
 
     compiled = cfg.training.compile
@@ -717,6 +718,11 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) ->
         recorder = _LiveStorages(known, segments)
         if compiled:
             compile_like_trainer(model, spec, recorder)
+            # A compiled memory budget saves the MoE top-k in a selective-checkpoint region, which Dynamo
+            # numbers and these AOT traces cannot; here it is recomputed (T x k indices per call, bytes).
+            for module in model.modules():
+                if isinstance(module, MoE):
+                    module.save_selection = False
         autocast_dtype, weights = compute_precision(model, cfg.training, param_dtype if casts else None)
         with (
             warnings.catch_warnings(),  # RMSNorm's fp32 weight under autocast: the GPU run warns once itself

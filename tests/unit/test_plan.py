@@ -159,6 +159,20 @@ def test_learned_segmentation_is_planned_at_the_target_rate():
     assert gpu.bytes < planned.bytes
 
 
+def test_spider_is_planned_under_a_memory_budget():
+    """Under a compiled memory budget the trainer saves the MoE top-k in a selective-checkpoint region
+    (MoE.save_selection), which the plan's AOT traces cannot number (the partitioner failed on it); the
+    plan recomputes it, and plans the budget: fewer bytes saved than unchecked, more FLOPs."""
+    argv = ["--model.name", "spider", "--training.compile", "true"]
+
+    def planned(*ac):
+        cfg = parse_args([*argv, "--activation_checkpoint.mode", *ac], env={})
+        return measure_activation_bytes(cfg, batch=B, seq_len=T, param_dtype=torch.float32, gpu_attention=False)
+
+    budget, full = planned("memory_budget", "--activation_checkpoint.memory_budget", "0.3"), planned("none")
+    assert budget.bytes < 0.7 * full.bytes and budget.flops > full.flops
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
