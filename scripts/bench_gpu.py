@@ -19,8 +19,8 @@ memory, and then the largest compiled memory budget it finds fits; the planner r
 rows, in its own process), ``--variant
 rows (static with more flags), ``spider_1b_fp8`` (``spider_1b_graph`` with the float8 converter;
 skipped with the reason where torchao or the GPU cannot run it) and ``spider_1b_graph_autocast``
-(``spider_1b_graph`` with fp32 parameters under autocast, as one GPU computed until 2026-11-28: the
-default since casts every parameter to bf16 once per step, ``training.mixed_precision_mode``). Every Spider row starts at steady-state
+(``spider_1b_graph`` with fp32 parameters under autocast, as one GPU computed before
+``training.mixed_precision_mode = "params"`` became the default). Every Spider row starts at steady-state
 segmentation: before any timed step its boundary predictor's threshold is set by bisection to within
 5 % of the target rate on the run's own first batch (``warm_router``), so the timed steps see ~4 bytes
 per segment from the first, not the 16-byte cap an untrained predictor starts at on 1B.
@@ -199,7 +199,7 @@ def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         # the 8-GPU config's shapes and micro-batch (the planner's pick) as shipped, on one GPU (no FSDP)
         ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped.training.local_batch_size)]),
         ("spider_1b_fp8", base + spider + packed + graph + fp8),
-        # spider_1b_graph as one GPU computed before the eighteenth session: fp32 parameters under autocast
+        # spider_1b_graph as one GPU computed before 2026-11-28 (nineteenth session): fp32 parameters, autocast
         ("spider_1b_graph_autocast", base + spider + packed + graph + ["--training.mixed_precision_mode", "autocast"]),
         ("spider_1b_packed", base + spider + packed),
         ("spider_1b_static", base + spider + static),
