@@ -505,6 +505,16 @@ def checkpoint_io(args: argparse.Namespace) -> dict:
     return benchmark_checkpoint_io(args)
 
 
+@scenario("kernel_bytes")
+def kernel_bytes(args: argparse.Namespace) -> dict:
+    """Bytes Inductor's kernels move per compiled step of the reduced-width Spider 1B (bf16, CPU), by
+    kernel, under each training.mixed_precision_mode: a proxy for a GPU step's non-GEMM time
+    (scripts/bench_kernel_bytes.py)."""
+    from bench_kernel_bytes import benchmark_kernel_bytes
+
+    return benchmark_kernel_bytes(args)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["gpu_1b"]:  # the GPU harness has its own command line (bench_gpu.py)
         from bench_gpu import main as gpu_1b

@@ -1,0 +1,175 @@
+"""Bytes Inductor's kernels move in one compiled training step, by kernel: a CPU proxy for the GPU time
+a step spends outside its GEMMs (``python scripts/benchmark.py kernel_bytes``).
+
+The step is the reduced-width Spider 1B of the GPU harness (the 1B block, loop and expert structure at
+dim 256), static shapes, compiled, bf16, once per ``training.mixed_precision_mode`` (``params`` and
+``autocast``). Each graph Inductor compiles is measured as it is built (``GraphLowering.count_bytes``:
+every scheduled kernel's reads and writes), and one profiled step counts how often each graph runs, so
+a figure is per step. Kernels are split into the generated ones (Inductor's fused pointwise and
+reduction code), matmuls (extern kernels), and attention: on a CPU, SDPA runs as math (T x T scores,
+softmax, bmm), which a GPU's fused attention kernel never writes, so those are reported apart. Ops that
+run outside compiled code are summed from the profiler's input shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parent
+# the harness's reduced widths at dim 256: wide enough that activations, not weights, dominate
+WIDTHS = {
+    "dim": 256,
+    "n_heads": 4,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "inter_dim": 704,
+    "moe_inter_dim": 64,
+    "engram_buckets": 256,
+    "engram_dim": 32,
+    "lora_rank": 8,
+}
+# bytes per element of the profiler's dtype names
+ELEMENT_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1}
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::linear", "aten::matmul"}
+
+
+def _is_cpu_attention(kind: str, name: str) -> bool:
+    """SDPA's CPU math: its T x T softmax, forward and backward, and its batched matmuls."""
+    return "safe_softmax" in name or "softmax_backward_data" in name or (kind == "extern" and name.endswith(".bmm"))
+
+
+class _GraphBytes:
+    """Per compiled graph: its kernels' (kind, name, bytes), keyed by the name its calls carry in a profile."""
+
+    def __init__(self):
+        from torch._inductor import compile_fx
+        from torch._inductor import scheduler as sched
+        from torch._inductor.graph import GraphLowering
+        from torch._inductor.utils import get_fused_kernel_name
+
+        self.kernels: dict[str, list[tuple[str, str, int]]] = {}
+        pending: list[list[tuple[str, str, int]]] = []
+        count_bytes, compile_inner = GraphLowering.count_bytes, compile_fx._compile_fx_inner
+
+        def counted(graph):
+            rows = []
+            for node in graph.scheduler.nodes:
+                if isinstance(node, sched.ExternKernelSchedulerNode):
+                    kind, name = "extern", str(getattr(node.node, "python_kernel_name", type(node.node).__name__))
+                else:
+                    kind, name = "generated", get_fused_kernel_name(node.get_nodes(), "original_aten")
+                rows.append((kind, name, node.get_read_write_buffers_sizes()))
+            pending.append(rows)
+            return count_bytes(graph)
+
+        def compiled(*args, **kwargs):
+            out = compile_inner(*args, **kwargs)
+            key = out._fx_graph_cache_key = f"graph{len(self.kernels)}"  # the name its calls carry
+            self.kernels[key] = pending.pop() if pending else []
+            return out
+
+        self._undo = [(GraphLowering, "count_bytes", count_bytes), (compile_fx, "_compile_fx_inner", compile_inner)]
+        GraphLowering.count_bytes, compile_fx._compile_fx_inner = counted, compiled
+        # count_bytes runs when the metrics log is on; the FX graph cache would skip it
+        self._cache = torch._inductor.config.fx_graph_cache
+        torch._inductor.config.fx_graph_cache = False
+        torch._logging.set_logs(inductor_metrics=True)
+
+    def close(self) -> None:
+        for owner, name, value in self._undo:
+            setattr(owner, name, value)
+        torch._inductor.config.fx_graph_cache = self._cache
+        torch._logging.set_logs()
+
+
+def _outside_bytes(events) -> int:
+    """The inputs the top-level aten ops outside compiled code read (matmuls left out), from a profile."""
+    total, open_until = 0, 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        name = e.name()
+        if e.start_ns() < open_until:
+            continue
+        if name.startswith(("## Call CompiledFxGraph", "Torch-Compiled Region", "CompiledFunction")):
+            open_until = e.end_ns()
+        elif name.startswith("aten::"):
+            open_until = e.end_ns()
+            if name not in MATMULS:
+                for shape, dtype in zip(e.shapes(), e.dtypes()):
+                    if shape and dtype in ELEMENT_BYTES:
+                        total += ELEMENT_BYTES[dtype] * int(torch.tensor(shape).prod())
+    return total
+
+
+def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
+    """One compiled bf16 step of the reduced-width Spider 1B under ``mode``: MiB per step by kind, and
+    the generated kernels that move the most."""
+    sys.path.insert(0, str(SCRIPTS))
+    from bench_gpu import warm_router
+    from torch.profiler import ProfilerActivity, profile
+
+    from spider_titan.config.manager import parse_args
+    from spider_titan.parallel.precision import compute_precision
+    from spider_titan.train import Trainer
+
+    argv = ["--job.config_file", str(REPO / "train_configs" / "spider_1b.toml"), "--training.dataset", "mock"]
+    argv += ["--training.target_tokens", "0", "--training.gradient_accumulation_steps", "1"]
+    argv += ["--training.local_batch_size", str(batch), "--training.seq_len", str(seq_len)]
+    argv += ["--training.compile", "true", "--training.device", "cpu", "--moe.backend", "torch"]
+    argv += ["--validation.enable", "false", "--checkpoint.enable", "false", "--checkpoint.export_at_end", "false"]
+    argv += ["--metrics.enable_tensorboard", "false", "--metrics.enable_jsonl", "false", "--training.steps", "3"]
+    argv += ["--job.dump_folder", str(out / f"kernel_bytes_{mode}")]
+    argv += [f"--model.{k}={v}" for k, v in WIDTHS.items()]
+    torch._dynamo.reset()
+    graphs = _GraphBytes()
+    trainer = Trainer(parse_args(argv, env={}))
+    try:
+        run = trainer.run
+        # a CPU run computes in fp32; this one casts as a GPU run without FSDP does
+        training = dataclasses.replace(run.cfg.training, mixed_precision_mode=mode)
+        autocast_dtype, weights = compute_precision(run.model, training, torch.bfloat16)
+        trainer.run = dataclasses.replace(run, autocast_dtype=autocast_dtype, compute_weights=weights)
+        warm_router(trainer)  # steady-state segments, as the harness's rows
+        for step in (1, 2):
+            trainer.train_step(trainer.next_micro_batches(), step)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            trainer.train_step(trainer.next_micro_batches(), 3)
+    finally:
+        trainer.close()
+        graphs.close()
+    events = list(prof.profiler.kineto_results.events())
+    calls = collections.Counter(
+        m.group(1) for e in events if (m := re.match(r"## Call CompiledFxGraph (\S+) ##", e.name()))
+    )
+    by_kind: collections.Counter = collections.Counter()
+    generated: collections.Counter = collections.Counter()
+    for key, n in calls.items():
+        for kind, name, nbytes in graphs.kernels.get(key, []):
+            kind = "attention (CPU math)" if _is_cpu_attention(kind, name) else kind
+            by_kind[kind] += n * nbytes
+            if kind == "generated":
+                generated[name] += n * nbytes
+    mib = 2**20
+    return {
+        "mib_per_step": {kind: round(v / mib, 1) for kind, v in sorted(by_kind.items())},
+        "outside_compiled_mib": round(_outside_bytes(events) / mib, 1),
+        "graph_calls": sum(calls.values()),
+        "top_generated_mib": [[name[:100], round(v / mib, 1)] for name, v in generated.most_common(8)],
+    }
+
+
+def benchmark_kernel_bytes(args: argparse.Namespace) -> dict:
+    out = Path(args.dump_folder)
+    rows = {mode: measure(mode, batch=2, seq_len=1024, out=out) for mode in ("params", "autocast")}
+    params, autocast = (rows[m]["mib_per_step"].get("generated", 0.0) for m in ("params", "autocast"))
+    rows["generated_params_over_autocast"] = round(params / autocast, 3) if autocast else None
+    return rows
