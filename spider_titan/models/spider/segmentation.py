@@ -288,14 +288,15 @@ def smooth_segments(y: torch.Tensor, seg: Segmentation) -> torch.Tensor:
     segments (:func:`smoothing_weights`): a confident boundary passes its segment through, a doubtful
     one blends in the past; ``out_k`` reads ``y_0..y_k`` only. In closed form, ``out_k = sum_{j<=k}
     P_j exp(L_k - L_j) y_j`` with ``L`` the cumulative ``log(1 - P)`` (summed and differenced in fp64,
-    which the step-by-step EMA of decode.py matches), as one (B, S, S) x (B, S, dim) product in fp32."""
+    which the step-by-step EMA of decode.py matches), as one (B, S, S) x (B, S, dim) product in y's
+    dtype: fp32 on a CPU, bf16 on a GPU's tensor cores (as autocast ran it), the weights made in fp32."""
     P = smoothing_weights(seg)
     L = torch.cumsum(torch.log1p(-P.double()), dim=1)  # (B, S)
     S = P.shape[1]
     causal = torch.ones(S, S, dtype=torch.bool, device=P.device).tril()
     expo = torch.where(causal, L.unsqueeze(2) - L.unsqueeze(1), float("-inf")).float()  # (B, S_k, S_j)
     weights = torch.exp(expo) * P.unsqueeze(1)
-    return torch.bmm(weights, y.float()).to(y.dtype)
+    return torch.bmm(weights.to(y.dtype), y)
 
 
 def boundary_confidence(seg: Segmentation) -> torch.Tensor:
