@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import math
 import re
 import sys
 from pathlib import Path
@@ -92,21 +93,20 @@ class _GraphBytes:
         torch._logging.set_logs()
 
 
-def _outside_bytes(events) -> int:
-    """The inputs the top-level aten ops outside compiled code read (matmuls left out), from a profile."""
-    total, open_until = 0, 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        name = e.name()
-        if e.start_ns() < open_until:
+def _outside_bytes(host: list) -> int:
+    """The inputs read by the ops the GPU harness counts as launched outside compiled code
+    (``bench_gpu.count_launches``: no views or bare allocations), matmuls left out, from a profile."""
+    from bench_gpu import REGION_PREFIXES, count_launches
+
+    _, launched = count_launches(host)
+    regions = [(e.start_ns(), e.end_ns()) for e in host if e.name().startswith(REGION_PREFIXES)]
+    total = 0
+    for e in launched:
+        if e.name() in MATMULS or any(a <= e.start_ns() <= b for a, b in regions):
             continue
-        if name.startswith(("## Call CompiledFxGraph", "Torch-Compiled Region", "CompiledFunction")):
-            open_until = e.end_ns()
-        elif name.startswith("aten::"):
-            open_until = e.end_ns()
-            if name not in MATMULS:
-                for shape, dtype in zip(e.shapes(), e.dtypes()):
-                    if shape and dtype in ELEMENT_BYTES:
-                        total += ELEMENT_BYTES[dtype] * int(torch.tensor(shape).prod())
+        for shape, dtype in zip(e.shapes(), e.dtypes()):
+            if shape and dtype in ELEMENT_BYTES:
+                total += ELEMENT_BYTES[dtype] * math.prod(shape)
     return total
 
 
@@ -114,7 +114,7 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
     """One compiled bf16 step of the reduced-width Spider 1B under ``mode``: MiB per step by kind, and
     the generated kernels that move the most."""
     sys.path.insert(0, str(SCRIPTS))
-    from bench_gpu import warm_router
+    from bench_gpu import host_events, warm_router
     from torch.profiler import ProfilerActivity, profile
 
     from spider_titan.config.manager import parse_args
@@ -146,9 +146,9 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
     finally:
         trainer.close()
         graphs.close()
-    events = list(prof.profiler.kineto_results.events())
+    host = host_events(prof)
     calls = collections.Counter(
-        m.group(1) for e in events if (m := re.match(r"## Call CompiledFxGraph (\S+) ##", e.name()))
+        m.group(1) for e in host if (m := re.match(r"## Call CompiledFxGraph (\S+) ##", e.name()))
     )
     by_kind: collections.Counter = collections.Counter()
     generated: collections.Counter = collections.Counter()
@@ -161,7 +161,7 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
     mib = 2**20
     return {
         "mib_per_step": {kind: round(v / mib, 1) for kind, v in sorted(by_kind.items())},
-        "outside_compiled_mib": round(_outside_bytes(events) / mib, 1),
+        "outside_compiled_mib": round(_outside_bytes(host) / mib, 1),
         "graph_calls": sum(calls.values()),
         "top_generated_mib": [[name[:100], round(v / mib, 1)] for name, v in generated.most_common(8)],
     }
