@@ -9,6 +9,7 @@ waits on the host, so the layer is CUDA-graph and ``torch.compile`` friendly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ def _(a, b, offs):
     if b.dim() == 3:  # (R, K) x (E, K, N) -> (R, N)
         return a.new_empty(a.shape[0], b.shape[-1])
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # (K, R) x (R, N) -> (E, K, N)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in fp32, under autocast too: autocast would run the linear of fp32 inputs in
+    its low-precision dtype (bf16), and the router is fp32 by design."""
+    device = x.device.type
+    off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+    with off:
+        return F.linear(x.float(), weight.float())
 
 
 def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -201,6 +211,8 @@ class MoE(nn.Module):
     gives rank r the r-th slice of each global micro-batch); evaluation keeps each rank's own.
     """
 
+    FP32_PARAMS = ("router.weight",)  # read in fp32 under autocast too (parallel/precision.py)
+
     def __init__(
         self,
         dim: int,
@@ -252,7 +264,7 @@ class MoE(nn.Module):
         (routing_replay.py) instead of choosing again, so ties or nondeterminism cannot route
         the recompute differently. Scores and gate weights are recomputed (they carry gradient).
         """
-        logits = F.linear(x.float(), self.router.weight.float())  # (T, E)
+        logits = fp32_linear(x, self.router.weight)  # (T, E)
         scores = logits.softmax(dim=-1)
         topk_idx = replay_or_record(lambda: self.select(scores))  # (T, k)
         weights = scores.gather(1, topk_idx)

@@ -27,11 +27,12 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 
 def matmul_weight_names(model: nn.Module) -> list[str]:
     """The parameters autocast would cast at every use: floating, two or more dims, not an
-    embedding table (autocast leaves lookups in the table's dtype)."""
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [
-        name for name, p in model.named_parameters() if p.is_floating_point() and p.ndim >= 2 and id(p) not in tables
-    ]
+    embedding table (autocast leaves lookups in the table's dtype), not one a module reads in fp32
+    whatever autocast does (its ``FP32_PARAMS``, e.g. the MoE router)."""
+    kept = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for m in model.modules():
+        kept.update(id(m.get_parameter(name)) for name in getattr(m, "FP32_PARAMS", ()))
+    return [name for name, p in model.named_parameters() if p.is_floating_point() and p.ndim >= 2 and id(p) not in kept]
 
 
 def floating_param_names(model: nn.Module) -> list[str]:

@@ -317,6 +317,22 @@ def test_experts_run_in_autocast_dtype(device, align, monkeypatch):
     assert torch.isfinite(xx.grad).all()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_router_stays_fp32_under_autocast(compiled):
+    """The router's scores under bf16 autocast are the fp32 scores to the bit, eager and compiled
+    (autocast runs a linear of fp32 inputs in bf16: the control, a plain router under autocast, differs)."""
+    moe = make_moe(n_experts=8)
+    x = torch.randn(64, DIM)
+    scores_ref, idx_ref, _ = moe.route(x)
+    route = torch.compile(moe.route, backend="aot_eager", fullgraph=True) if compiled else moe.route
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, idx, weights = route(x)
+        control = torch.softmax(torch.nn.functional.linear(x.float(), moe.router.weight.float()), dim=-1)
+    assert scores.dtype == weights.dtype == torch.float32
+    assert torch.equal(scores, scores_ref) and torch.equal(idx, idx_ref)
+    assert not torch.equal(control, scores_ref)
+
+
 def test_experts_stay_fp32_without_autocast(monkeypatch):
     moe = make_moe()
     seen = _spy_grouped_mm(monkeypatch)
