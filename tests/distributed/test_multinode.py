@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from tests.utils import REPO, read_metrics
+from tests.utils import REPO, TINY_SPIDER, read_metrics
 
 
 def free_port() -> int:
@@ -19,26 +19,7 @@ def free_port() -> int:
 
 def test_two_node_rendezvous_on_localhost(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    args = [
-        "--job.config_file",
-        "train_configs/debug_model.toml",
-        "--training.dataset",
-        "mock",
-        "--training.steps",
-        "3",
-        "--training.seq_len",
-        "64",
-        "--training.local_batch_size",
-        "2",
-        "--metrics.log_freq",
-        "1",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--validation.enable",
-        "false",
-        "--job.dump_folder",
-        str(tmp_path / "run"),
-    ]
+    args = [*TINY_SPIDER, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "run")]
     procs = []
     for node in (0, 1):
         env = {

@@ -4,26 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils import check_ok, run_train, train_losses
+from tests.utils import TINY_SPIDER, check_ok, run_train, train_losses
 
-COMMON = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.dataset",
-    "mock",
-    "--training.steps",
-    "3",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-]
+COMMON = [*TINY_SPIDER, "--training.steps", "3"]
 
 
 def test_triton_backend_losses_match_torch_backend(tmp_path):
