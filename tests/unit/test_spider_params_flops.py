@@ -17,6 +17,7 @@ from spider_titan.models.spider import (
     spider_flops_breakdown,
     spider_flops_per_byte,
 )
+from spider_titan.models.spider.attention import folded_linear_flops
 from spider_titan.moe.layer import grouped_mm_flop, grouped_mm_ops
 
 
@@ -66,6 +67,7 @@ def flop_counter(halve_bmm: bool = False) -> FlopCounterMode:
     """FlopCounterMode plus what this CPU build does not count (grouped GEMM, CPU flash
     attention), by formula; ``halve_bmm`` counts math-kernel attention causal-halved (Spider)."""
     mapping = {op: grouped_mm_flop for op in grouped_mm_ops()}
+    mapping.update(folded_linear_flops())  # opaque ops: their matmuls by formula
     if halve_bmm:
         mapping[torch.ops.aten.bmm] = _causal_math_sdpa_bmm_flop
     mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _causal_sdpa_flop

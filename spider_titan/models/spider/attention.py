@@ -21,17 +21,108 @@ real query sees it) and the output is packed again before ``wo``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from spider_titan.models.common import GrowingTensor, apply_rope, causal_sdpa
 from spider_titan.models.spider.args import SpiderArgs
+from spider_titan.moe.base import compute_dtype, op_namespace
 
-# x -> low-rank delta added to a projection's output (per-loop LoRA of a core block)
-Adapter = Callable[[torch.Tensor], torch.Tensor]
+
+class LoRA(NamedTuple):
+    """A rank-r update of a linear's output, ``x @ a @ b``: ``a (in, r)``, ``b (r, out)`` (per-loop LoRA
+    of a core block)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.a.to(x.dtype)) @ self.b.to(x.dtype)
+
+
+def _fold(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``W + (a b)^T`` (out, in) in one rank-r GEMM."""
+    return torch.addmm(w, b.t(), a.t())
+
+
+@torch.library.custom_op(f"{op_namespace(__name__)}::folded_linear", mutates_args=())
+def _folded_linear(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x @ (W + (a b)^T)^T``; one opaque op, so a compiled graph keeps ``W``, ``a`` and ``b`` for the
+    backward, which folds again, where the partitioner would save the folded weight (a new (out, in)
+    tensor per call) rather than the weight itself."""
+    return F.linear(x, _fold(w, a, b))
+
+
+@_folded_linear.register_fake
+def _(x, w, a, b):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.custom_op(f"{op_namespace(__name__)}::folded_linear_input_grad", mutates_args=())
+def _folded_input_grad(dy: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``dy @ (W + (a b)^T)``: the input gradient, folding again. One op on the gradient, so the
+    partitioner cannot move the fold into the forward and save its result."""
+    return dy @ _fold(w, a, b)
+
+
+@_folded_input_grad.register_fake
+def _(dy, w, a, b):
+    return dy.new_empty(*dy.shape[:-1], w.shape[1])
+
+
+def _folded_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _folded_linear_backward(ctx, dy):
+    x, w, a, b = ctx.saved_tensors
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    dx = _folded_input_grad(dy, w, a, b) if ctx.needs_input_grad[0] else None
+    dw = dy2.t() @ x2  # (out, in): the folded weight's gradient, also W's
+    da = (b @ dw).t() if ctx.needs_input_grad[2] else None  # (in, r)
+    db = (dw @ a).t() if ctx.needs_input_grad[3] else None  # (r, out)
+    return dx, dw if ctx.needs_input_grad[1] else None, da, db
+
+
+_folded_linear.register_autograd(_folded_linear_backward, setup_context=_folded_linear_setup)
+
+
+def _fold_and_gemm_flop(rows: int, w_shape, rank: int) -> int:
+    return 2 * w_shape[0] * rank * w_shape[1] + 2 * rows * w_shape[1] * w_shape[0]
+
+
+def folded_linear_flops() -> dict:
+    """FlopCounterMode's ``custom_mapping`` for the two opaque folded-linear ops (it cannot see their
+    matmuls): each folds (out x r) @ (r x in) and runs the GEMM over the rows."""
+
+    def forward(x_shape, w_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return _fold_and_gemm_flop(math.prod(x_shape[:-1]), w_shape, a_shape[1])
+
+    def input_grad(dy_shape, w_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return _fold_and_gemm_flop(math.prod(dy_shape[:-1]), w_shape, a_shape[1])
+
+    return {
+        _folded_linear._opoverload.overloadpacket: forward,
+        _folded_input_grad._opoverload.overloadpacket: input_grad,
+    }
+
+
+def adapted_linear(linear: nn.Linear, x: torch.Tensor, lora: LoRA | None, fold: bool) -> torch.Tensor:
+    """``linear(x)`` plus the LoRA update. ``fold``: one GEMM with the update folded into the weight,
+    ``W + (a b)^T`` (:func:`_folded_linear`): over many rows the (out x in) weight moves fewer bytes
+    than two rank-r passes over every row's activations (decoding a few bytes does not fold). A
+    float8 linear runs its own GEMM and a quantized weight (a tensor subclass: an int8 or int4
+    export) its own kernels, so only a plain ``nn.Linear`` with a plain weight folds."""
+    if lora is None:
+        return linear(x)
+    if fold and type(linear) is nn.Linear and linear.bias is None and not is_traceable_wrapper_subclass(linear.weight):
+        dtype = compute_dtype(x)  # a custom op: autocast does not cast its inputs
+        return _folded_linear(*(t.to(dtype) for t in (x, linear.weight, lora.a, lora.b)))
+    return linear(x) + lora.delta(x)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -162,8 +253,8 @@ class MLA(nn.Module):
         self,
         x: torch.Tensor,
         freqs: torch.Tensor,
-        q_adapter: Adapter | None = None,
-        o_adapter: Adapter | None = None,
+        q_lora: LoRA | None = None,
+        o_lora: LoRA | None = None,
         cache: KVCache | None = None,
         packed: PackedRows | None = None,
     ) -> torch.Tensor:
@@ -172,9 +263,8 @@ class MLA(nn.Module):
         ``packed``: x is one packed row (module docstring)."""
         b, t, _ = x.shape
         h = self.n_heads
-        q = self.wq(x)
-        if q_adapter is not None:
-            q = q + q_adapter(x)
+        fold = cache is None  # decoding runs a few rows: the rank-r passes cost less than a folded weight
+        q = adapted_linear(self.wq, x, q_lora, fold)
         q = q.view(b, t, h, self.qk_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, freqs)], dim=-1)  # (B, T, H, qk)
@@ -195,10 +285,7 @@ class MLA(nn.Module):
         else:
             out = cache.attend(q.transpose(1, 2), k, v, self.scale)  # (B, H, T, v)
         out = out.transpose(1, 2).reshape(b, t, h * self.v_head_dim)
-        y = self.wo(out)
-        if o_adapter is not None:
-            y = y + o_adapter(out)
-        return y
+        return adapted_linear(self.wo, out, o_lora, fold)
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         for lin in (self.wq, self.wkv_a, self.wkv_b):

@@ -33,6 +33,7 @@ def spider_flops_breakdown(
     backprop_loops: float | None = None,
     row_segments: float | None = None,
     loop_slots: Sequence[float] = (),
+    lora_rows: float = 0.0,
 ) -> dict[str, float]:
     """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``.
     ``backprop_loops``: the loops that also run backward (default: the args' ``backprop_loops``,
@@ -40,7 +41,10 @@ def spider_flops_breakdown(
     ``row_segments``: segment slots per row of the (B, S) layout (default ``seq_len /
     bytes_per_segment``, no padding); ``bytes_per_segment`` then sets the per-segment work only.
     ``loop_slots``: under ``depth_capacity`` the slots per row of the last ``len(loop_slots)`` loops,
-    each of which runs on that many slots (padding included) instead of every segment."""
+    each of which runs on that many slots (padding included) instead of every segment.
+    ``lora_rows``: the rows of a micro-batch whose loops fold their LoRA into the weights, once per
+    loop and micro-batch (``attention.adapted_linear``; the backward's fold again is not counted);
+    0: the adapters run on every segment (decoding, float8 linears; an upper bound for planning)."""
     a = args
     loops = a.n_loops if n_loops is None else n_loops
     k = a.backprop_loops if backprop_loops is None else backprop_loops
@@ -71,15 +75,18 @@ def spider_flops_breakdown(
 
     n_bytes_blocks = a.n_prelude + a.n_coda
 
+    # per segment: (x @ A) @ B on the query and on the output projection; folded: (d x r) @ (r x H qk)
+    # and (H v x r) @ (r x d) once per loop and micro-batch of lora_rows x T bytes
+    lora_segment = mm(d, a.lora_rank) + mm(a.lora_rank, H * qk) + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d)
+    lora_folded = (mm(H * qk, a.lora_rank) * d + mm(d, a.lora_rank) * H * a.v_head_dim) / max(lora_rows * T, 1.0)
+
     def loop_cost(bps: float, slots: float) -> dict[str, float]:
         """One loop of the core, per byte: per segment (/ bps) or per (B, S) slot (* slots / T)."""
+        lora = lora_folded if lora_rows else lora_segment / bps
         return {
             "core_attention_proj": a.n_core * attn_proj / bps,
             "core_attention_scores": a.n_core * attn_scores(slots) * slots / T,
-            "core_lora": a.n_core
-            * (mm(d, a.lora_rank) + mm(a.lora_rank, H * qk) + mm(H * a.v_head_dim, a.lora_rank) + mm(a.lora_rank, d))
-            * a.loop_lora
-            / bps,
+            "core_lora": a.n_core * a.loop_lora * lora,
             "moe_router": a.n_core * mm(d, a.n_experts) / bps,
             "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
             "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
@@ -119,10 +126,11 @@ def spider_flops_per_byte(
     backprop_loops: float | None = None,
     row_segments: float | None = None,
     loop_slots: Sequence[float] = (),
+    lora_rows: float = 0.0,
 ) -> float:
     """Training (fwd + bwd) FLOPs per input byte; also Spider's ``ModelSpec.flops_per_token``."""
     return sum(
         spider_flops_breakdown(
-            args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments, loop_slots
+            args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments, loop_slots, lora_rows
         ).values()
     )

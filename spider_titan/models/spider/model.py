@@ -216,6 +216,7 @@ class Spider(nn.Module):
                     backprop_loops=core.backprop_loops,
                     row_segments=S if capacity else seg.max_row_segments,
                     loop_slots=core.loop_slots,
+                    lora_rows=B if self.core.folds_lora() else 0,
                 ),
                 device=device,
             ),

@@ -39,7 +39,7 @@ from torch import nn
 
 from spider_titan.models.common import GrowingTensor
 from spider_titan.models.spider.args import SpiderArgs
-from spider_titan.models.spider.attention import MLA, KVCache, PackedRows
+from spider_titan.models.spider.attention import MLA, KVCache, LoRA, PackedRows
 from spider_titan.models.spider.engram import Engram
 from spider_titan.models.spider.segmentation import causal_standardize
 from spider_titan.moe.layer import MoE
@@ -141,11 +141,13 @@ class LoopLoRA(nn.Module):
         self.wo_a = nn.Parameter(torch.empty(max_loops, o_in, rank))
         self.wo_b = nn.Parameter(torch.empty(max_loops, rank, dim))
 
-    def q_delta(self, x: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
-        return (x @ _at(self.wq_a, loop).to(x.dtype)) @ _at(self.wq_b, loop).to(x.dtype)
+    def q(self, loop: torch.Tensor) -> LoRA:
+        """Loop ``loop``'s adapter of ``wq``."""
+        return LoRA(_at(self.wq_a, loop), _at(self.wq_b, loop))
 
-    def o_delta(self, x: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
-        return (x @ _at(self.wo_a, loop).to(x.dtype)) @ _at(self.wo_b, loop).to(x.dtype)
+    def o(self, loop: torch.Tensor) -> LoRA:
+        """Loop ``loop``'s adapter of ``wo``."""
+        return LoRA(_at(self.wo_a, loop), _at(self.wo_b, loop))
 
     def init_weights(self) -> None:
         nn.init.normal_(self.wq_a, std=self.wq_a.shape[1] ** -0.5)
@@ -201,8 +203,8 @@ class CoreBlock(nn.Module):
         h = h + self.attention(
             self.attention_norm(h),
             freqs,
-            q_adapter=None if lora is None else (lambda x: lora.q_delta(x, loop)),
-            o_adapter=None if lora is None else (lambda x: lora.o_delta(x, loop)),
+            q_lora=None if lora is None else lora.q(loop),
+            o_lora=None if lora is None else lora.o(loop),
             cache=cache,
             packed=packed,
         )
@@ -546,6 +548,12 @@ class RecurrentCore(nn.Module):
             gain = _at(self.extra_loop_gain, loop).to(h.dtype)
             h = torch.where(loop >= self.args.n_loops, before + gain * (h - before), h)
         return h, aux_sum, counts
+
+    def folds_lora(self) -> bool:
+        """Whether a forward without caches folds the per-loop LoRA into the weights
+        (``attention.adapted_linear``: plain linears, not float8 ones)."""
+        attn = next(m for m in self.layers.modules() if isinstance(m, MLA))  # blocks may be wrapped
+        return self.args.loop_lora and type(attn.wq) is nn.Linear and type(attn.wo) is nn.Linear
 
     def step_sizes(self) -> torch.Tensor:
         """``g`` (max_loops,) of ``loop_step_size``: ``1 + LOOP_STEP_SCALE * loop_step``."""
