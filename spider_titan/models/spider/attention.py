@@ -111,15 +111,21 @@ def folded_linear_flops() -> dict:
     }
 
 
+def can_fold(linear: nn.Linear) -> bool:
+    """Whether a LoRA update can be folded into ``linear``'s weight: a float8 linear runs its own GEMM
+    and a quantized weight (a tensor subclass: an int8 or int4 export) its own kernels, so only a plain
+    ``nn.Linear`` without bias, with a plain weight."""
+    return type(linear) is nn.Linear and linear.bias is None and not is_traceable_wrapper_subclass(linear.weight)
+
+
 def adapted_linear(linear: nn.Linear, x: torch.Tensor, lora: LoRA | None, fold: bool) -> torch.Tensor:
-    """``linear(x)`` plus the LoRA update. ``fold``: one GEMM with the update folded into the weight,
-    ``W + (a b)^T`` (:func:`_folded_linear`): over many rows the (out x in) weight moves fewer bytes
-    than two rank-r passes over every row's activations (decoding a few bytes does not fold). A
-    float8 linear runs its own GEMM and a quantized weight (a tensor subclass: an int8 or int4
-    export) its own kernels, so only a plain ``nn.Linear`` with a plain weight folds."""
+    """``linear(x)`` plus the LoRA update. ``fold`` (where :func:`can_fold`): one GEMM with the update
+    folded into the weight, ``W + (a b)^T`` (:func:`_folded_linear`): over many rows the (out x in)
+    weight moves fewer bytes than two rank-r passes over every row's activations (decoding a few bytes
+    does not fold)."""
     if lora is None:
         return linear(x)
-    if fold and type(linear) is nn.Linear and linear.bias is None and not is_traceable_wrapper_subclass(linear.weight):
+    if fold and can_fold(linear):
         dtype = compute_dtype(x)  # a custom op: autocast does not cast its inputs
         return _folded_linear(*(t.to(dtype) for t in (x, linear.weight, lora.a, lora.b)))
     return linear(x) + lora.delta(x)

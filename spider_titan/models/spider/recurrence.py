@@ -39,7 +39,7 @@ from torch import nn
 
 from spider_titan.models.common import GrowingTensor
 from spider_titan.models.spider.args import SpiderArgs
-from spider_titan.models.spider.attention import MLA, KVCache, LoRA, PackedRows
+from spider_titan.models.spider.attention import MLA, KVCache, LoRA, PackedRows, can_fold
 from spider_titan.models.spider.engram import Engram
 from spider_titan.models.spider.segmentation import causal_standardize
 from spider_titan.moe.layer import MoE
@@ -551,9 +551,9 @@ class RecurrentCore(nn.Module):
 
     def folds_lora(self) -> bool:
         """Whether a forward without caches folds the per-loop LoRA into the weights
-        (``attention.adapted_linear``: plain linears, not float8 ones)."""
+        (``attention.adapted_linear``, where ``attention.can_fold``)."""
         attn = next(m for m in self.layers.modules() if isinstance(m, MLA))  # blocks may be wrapped
-        return self.args.loop_lora and type(attn.wq) is nn.Linear and type(attn.wo) is nn.Linear
+        return self.args.loop_lora and can_fold(attn.wq) and can_fold(attn.wo)
 
     def step_sizes(self) -> torch.Tensor:
         """``g`` (max_loops,) of ``loop_step_size``: ``1 + LOOP_STEP_SCALE * loop_step``."""
