@@ -79,13 +79,13 @@ def test_a_partitioned_backward_keeps_the_weight_not_a_folded_copy():
     is alive anyway, and no new (out, in) tensor: the partitioner would otherwise move the backward's
     fold into the forward and save a folded weight per call (0.7 GiB for a 1B step without
     checkpointing, 36 core block calls). The gradients equal eager's."""
-    from functorch.compile import aot_function, min_cut_rematerialization_partition
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
 
     saved = []
 
     def forward_compiler(gm, _):
         saved.extend(gm.graph.output_node().args[0])
-        return gm
+        return make_boxed_func(gm)
 
     linear, lora, x = _inputs()
     params = (x, linear.weight, lora.a, lora.b)
@@ -97,7 +97,7 @@ def test_a_partitioned_backward_keeps_the_weight_not_a_folded_copy():
     compiled = aot_function(
         _step,
         fw_compiler=forward_compiler,
-        bw_compiler=lambda gm, _: gm,
+        bw_compiler=lambda gm, _: make_boxed_func(gm),
         partition_fn=min_cut_rematerialization_partition,
     )
     compiled(*params).sum().backward()

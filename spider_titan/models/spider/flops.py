@@ -43,7 +43,7 @@ def spider_flops_breakdown(
     ``loop_slots``: under ``depth_capacity`` the slots per row of the last ``len(loop_slots)`` loops,
     each of which runs on that many slots (padding included) instead of every segment.
     ``lora_rows``: the rows of a micro-batch whose loops fold their LoRA into the weights, once per
-    loop and micro-batch (``attention.adapted_linear``; the backward's fold again is not counted);
+    loop and micro-batch (``attention.adapted_linear``), and three times more in its backward;
     0: the adapters run on every segment (decoding, float8 linears; an upper bound for planning)."""
     a = args
     loops = a.n_loops if n_loops is None else n_loops
@@ -115,6 +115,8 @@ def spider_flops_breakdown(
         out.update({k: 3.0 * (v * (loops - len(routed)) + sum(r[k] for r in routed)) for k, v in per_loop.items()})
     else:
         out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
+    if lora_rows:  # a folding loop's backward makes three fold-sized products (the fold again, dA, dB), not two
+        out["core_lora"] += a.n_core * a.loop_lora * lora_folded * (loops if routed else grad_loops)
     return out
 
 
