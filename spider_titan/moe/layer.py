@@ -77,12 +77,14 @@ class _GroupedMM(torch.autograd.Function):
 
     Two traps of the raw op: its backward rejects a stride-0 incoming gradient (what
     ``out.sum().backward()`` produces), so the gradient is made contiguous here; and rows past
-    ``offs[-1]`` are never written, so the input gradient's rows there are zeroed.
+    ``offs[-1]`` are never written, so the input gradient's rows there are zeroed (unless
+    ``filled``: no row is past it).
     """
 
     @staticmethod
-    def forward(ctx, a, b, offs):
+    def forward(ctx, a, b, offs, filled=False):
         ctx.save_for_backward(a, b, offs)
+        ctx.filled = filled
         return _raw_grouped_mm(a, b, offs)
 
     @staticmethod
@@ -91,12 +93,13 @@ class _GroupedMM(torch.autograd.Function):
         grad = grad.contiguous()
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = _zero_rows_past_end(_raw_grouped_mm(grad, b.transpose(-2, -1), offs), offs)
+            grad_a = _raw_grouped_mm(grad, b.transpose(-2, -1), offs)
+            grad_a = grad_a if ctx.filled else _zero_rows_past_end(grad_a, offs)
         if ctx.needs_input_grad[1]:
             # Computed as (E, N, K) and handed back transposed: in the experts' layout ``b`` is the
             # transpose of an (E, N, K) parameter, whose gradient then arrives contiguous (no copy).
             grad_b = _raw_grouped_mm(grad.transpose(-2, -1), a, offs).transpose(-2, -1)  # (E, K, N)
-        return grad_a, grad_b, None
+        return grad_a, grad_b, None, None
 
 
 def _zero_rows_past_end(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -131,23 +134,33 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
 
-    def _grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def _grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, filled: bool = False) -> torch.Tensor:
         """``a (R, K) @ b[e] (K, N)`` per row group, ``b`` per-group column-major (a transposed weight);
-        the float8 converter overrides this method."""
-        return _GroupedMM.apply(a, b, offs)
+        ``filled``: no row of ``a`` is past ``offs[-1]``. The float8 converter overrides this method."""
+        return _GroupedMM.apply(a, b, offs, filled)
 
-    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None = None, filled: bool = False
+    ) -> torch.Tensor:
         """``row_real (R,)`` bool: the rows that hold a real (not padding) token. Unused here; expert
-        parallel's fixed-capacity dispatch fills capacity with them first and counts drops of them."""
-        return self.swiglu(x_exp, offs, self.w1, self.w3, self.w2)
+        parallel's fixed-capacity dispatch fills capacity with them first and counts drops of them.
+        ``filled``: ``offs[-1] = R``, no row past the last group (a map without alignment padding)."""
+        return self.swiglu(x_exp, offs, self.w1, self.w3, self.w2, filled)
 
     def swiglu(
-        self, x_exp: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+        self,
+        x_exp: torch.Tensor,
+        offs: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+        filled: bool = False,
     ) -> torch.Tensor:
         """The experts' SwiGLU on explicit weights (expert parallel passes its local shards).
 
         Tokens and weights are cast to the compute dtype (``base.compute_dtype``: autocast's when
         it is on, else the tokens'), so the grouped GEMM never sees fp32 inputs under autocast.
+        ``filled``: every row is inside a group, so no product needs its unwritten rows zeroed.
         """
         dtype = compute_dtype(x_exp)
         x_exp = x_exp.to(dtype)
@@ -155,10 +168,13 @@ class GroupedExperts(nn.Module):
         # silu' in the backward even behind a later mask (0 * NaN = NaN).
         w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype) for w in (w1, w3, w2))
         w1, w3, w2 = (w.transpose(-2, -1) for w in (w1, w3, w2))  # (E, in, out) views, column-major
-        gate = _zero_rows_past_end(self._grouped_mm(x_exp, w1, offs), offs)  # (R, inter)
-        up = _zero_rows_past_end(self._grouped_mm(x_exp, w3, offs), offs)  # (R, inter)
-        h = F.silu(gate) * up
-        return _zero_rows_past_end(self._grouped_mm(h, w2, offs), offs)  # (R, dim)
+
+        def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            out = self._grouped_mm(a, b, offs, filled)
+            return out if filled else _zero_rows_past_end(out, offs)
+
+        h = F.silu(gemm(x_exp, w1)) * gemm(x_exp, w3)  # (R, inter)
+        return gemm(h, w2)  # (R, dim)
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1, std=init_std)
@@ -282,7 +298,8 @@ class MoE(nn.Module):
         real = self._real_tokens(scores, token_mask)  # (T,)
         pos = rmap.pos_to_token
         row_real = torch.where(pos >= 0, real[pos.clamp(min=0)], 0.0) > 0  # (R,) rows of real tokens
-        y_exp = self.experts(x_exp, rmap.offs, row_real)  # (R, dim)
+        # without alignment padding the map has T k rows, all inside a group (moe/base.max_rows)
+        y_exp = self.experts(x_exp, rmap.offs, row_real, filled=self.align == 1)  # (R, dim)
         y = self.backend.reduce(y_exp, weights, rmap)  # (T, dim)
         counts = self._counts(topk_idx, real)  # (E,), this rank's
         stats = self._stats(scores, counts, real)

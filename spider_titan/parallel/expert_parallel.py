@@ -186,7 +186,10 @@ class ExpertParallelExperts(GroupedExperts):
     dropped_pairs: torch.Tensor  # () fp32, this step's dropped (token, slot) pairs (capacity dispatch)
     routed_pairs: torch.Tensor  # () fp32, this step's routed pairs
 
-    def forward(self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_exp: torch.Tensor, offs: torch.Tensor, row_real: torch.Tensor | None = None, filled: bool = False
+    ) -> torch.Tensor:
+        """``filled`` (the local layout's): not read, the exchanged rows are laid out anew."""
         if self.dispatch == "capacity" and self.training:
             return self._forward_capacity(x_exp, offs, row_real)
         ep, group = self.ep_size, self.ep_group

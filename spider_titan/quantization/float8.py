@@ -147,10 +147,11 @@ def apply_float8(model: nn.Module, spec: ModelSpec, cfg: Float8) -> list[Callabl
     return [hook] if hook is not None else []
 
 
-def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _fp8_grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, filled: bool = False) -> torch.Tensor:
     """Rowwise fp8 grouped GEMM (torchao); groups 16-aligned. ``b`` arrives per-group column-major, the
     layout torchao requires, because the experts store (E, out, in) and pass it transposed
-    (``GroupedExperts``): no copy of the weights here, only their fp8 quantization."""
+    (``GroupedExperts``): no copy of the weights here, only their fp8 quantization. ``filled`` is
+    never true here (16-aligned groups pad the map)."""
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
     return _to_fp8_rowwise_then_scaled_grouped_mm(

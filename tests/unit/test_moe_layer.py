@@ -146,6 +146,32 @@ def test_layer_matches_python_loop(align, top_k):
     assert_layer_matches(moe, torch.randn(3, 7, DIM))
 
 
+def test_a_map_without_alignment_padding_is_filled_and_skips_the_masks(monkeypatch):
+    """With align 1 the map has T k rows, all inside a group (offs[-1] = R), so the layer runs the
+    experts without zeroing rows past the end, forward or backward, and gets what the masked experts
+    give, bit for bit."""
+    from spider_titan.moe import layer as layer_mod
+
+    moe = make_moe(n_experts=5, top_k=2, align=1)
+    x = torch.randn(3, 7, DIM)
+    _, topk_idx, _ = moe.route(x.reshape(-1, DIM))
+    rmap = moe.backend.build_map(topk_idx, moe.n_experts, moe.align)
+    assert int(rmap.offs[-1]) == rmap.pos_to_token.shape[0] == 21 * 2
+    masks = []
+    real = layer_mod._zero_rows_past_end
+    monkeypatch.setattr(layer_mod, "_zero_rows_past_end", lambda t, offs: masks.append(t.shape) or real(t, offs))
+    y, _ = moe(x)
+    y.sum().backward()
+    assert masks == []  # filled: no mask ran, forward or backward
+    x_exp = torch.randn(rmap.pos_to_token.shape[0], DIM)
+    e = moe.experts
+    assert torch.equal(e(x_exp, rmap.offs, filled=True), e(x_exp, rmap.offs))
+    assert len(masks) == 3  # the control: the default masks every product
+    moe16 = make_moe(n_experts=5, top_k=2, align=16)
+    moe16(x)
+    assert len(masks) == 6  # align 16 pads the map: its products are masked
+
+
 @pytest.mark.parametrize("align", [1, 16])
 def test_all_tokens_to_one_expert(align, monkeypatch):
     """Every token to experts 1 and 3: experts 0 and 2 are empty and get exactly zero, finite grads."""
