@@ -93,8 +93,7 @@ class _GroupedMM(torch.autograd.Function):
         grad = grad.contiguous()
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = _raw_grouped_mm(grad, b.transpose(-2, -1), offs)
-            grad_a = grad_a if ctx.filled else _zero_rows_past_end(grad_a, offs)
+            grad_a = _zero_rows_past_end(_raw_grouped_mm(grad, b.transpose(-2, -1), offs), offs, ctx.filled)
         if ctx.needs_input_grad[1]:
             # Computed as (E, N, K) and handed back transposed: in the experts' layout ``b`` is the
             # transpose of an (E, N, K) parameter, whose gradient then arrives contiguous (no copy).
@@ -102,8 +101,11 @@ class _GroupedMM(torch.autograd.Function):
         return grad_a, grad_b, None, None
 
 
-def _zero_rows_past_end(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Zero the rows of ``t (R, n)`` at or past ``offs[-1]`` (a grouped GEMM leaves them unwritten)."""
+def _zero_rows_past_end(t: torch.Tensor, offs: torch.Tensor, filled: bool = False) -> torch.Tensor:
+    """Zero the rows of ``t (R, n)`` at or past ``offs[-1]`` (a grouped GEMM leaves them unwritten);
+    ``filled``: there are none, ``t`` as it is."""
+    if filled:
+        return t
     used = torch.arange(t.shape[0], device=t.device) < offs[-1]  # (R,)
     return torch.where(used.unsqueeze(-1), t, 0)
 
@@ -170,8 +172,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (w.transpose(-2, -1) for w in (w1, w3, w2))  # (E, in, out) views, column-major
 
         def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            out = self._grouped_mm(a, b, offs, filled)
-            return out if filled else _zero_rows_past_end(out, offs)
+            return _zero_rows_past_end(self._grouped_mm(a, b, offs, filled), offs, filled)
 
         h = F.silu(gemm(x_exp, w1)) * gemm(x_exp, w3)  # (R, inter)
         return gemm(h, w2)  # (R, dim)

@@ -91,24 +91,17 @@ def _folded_linear_backward(ctx, dy):
 _folded_linear.register_autograd(_folded_linear_backward, setup_context=_folded_linear_setup)
 
 
-def _fold_and_gemm_flop(rows: int, w_shape, rank: int) -> int:
-    return 2 * w_shape[0] * rank * w_shape[1] + 2 * rows * w_shape[1] * w_shape[0]
+def _folded_flop(rows_shape, w_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """Either folded-linear op: the (out x r) @ (r x in) fold and the GEMM over the rows of its first
+    operand (x forward, dy for the input gradient), both against the (out, in) weight."""
+    out, inn = w_shape
+    return 2 * out * a_shape[1] * inn + 2 * math.prod(rows_shape[:-1]) * inn * out
 
 
 def folded_linear_flops() -> dict:
     """FlopCounterMode's ``custom_mapping`` for the two opaque folded-linear ops (it cannot see their
-    matmuls): each folds (out x r) @ (r x in) and runs the GEMM over the rows."""
-
-    def forward(x_shape, w_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-        return _fold_and_gemm_flop(math.prod(x_shape[:-1]), w_shape, a_shape[1])
-
-    def input_grad(dy_shape, w_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-        return _fold_and_gemm_flop(math.prod(dy_shape[:-1]), w_shape, a_shape[1])
-
-    return {
-        _folded_linear._opoverload.overloadpacket: forward,
-        _folded_input_grad._opoverload.overloadpacket: input_grad,
-    }
+    matmuls)."""
+    return {op._opoverload.overloadpacket: _folded_flop for op in (_folded_linear, _folded_input_grad)}
 
 
 def can_fold(linear: nn.Linear) -> bool:
