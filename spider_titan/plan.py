@@ -593,7 +593,9 @@ class CompiledSaves(nn.Module):
         run._boxed_call = True
         return run
 
-    def _call(self, weights, *args, **kwargs):
+    def _call(self, present: tuple[bool, ...], weights, *args, **kwargs):
+        given = iter(args)
+        args = tuple(next(given) if there else None for there in present)
         return torch.func.functional_call(self.block, weights, args, kwargs)
 
     def forward(self, *args, **kwargs):
@@ -602,12 +604,16 @@ class CompiledSaves(nn.Module):
         from torch._inductor.decomposition import select_decomp_table
 
         weights = {**dict(self.block.named_parameters()), **dict(self.block.named_buffers())}
+        # AOT makes a graph input of a None argument too (a core block's Engram memory), one without a
+        # value that the budget partitioner cannot size: the Nones are bound, the rest passed
+        present = tuple(a is not None for a in args)
+        args = tuple(a for a in args if a is not None)
         leaves = tree_flatten((args, kwargs, weights))[0]
-        key = (type(self.block), *weights, *(_signature(t) for t in leaves))
+        key = (type(self.block), present, *weights, *(_signature(t) for t in leaves))
         fn = self.traced.get(key)
         if fn is None:
             fn = self.traced[key] = aot_function(
-                self._call,
+                functools.partial(self._call, present),
                 fw_compiler=self._as_one_op,
                 bw_compiler=self._as_one_op,
                 partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),

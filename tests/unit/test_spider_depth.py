@@ -53,8 +53,9 @@ def core_inputs(model, B: int = 2, S: int = 9):
 
 
 def reference_core(core, s, freqs, bucket_ids, seg_real, n_loops: int, k: int) -> torch.Tensor:
-    """The core written out by hand: the state is detached before the last k loops, and the MoE
-    balancing loss is the mean over those loops' block calls; returns (output, aux)."""
+    """The core written out by hand: the state is detached before the last k loops, the Engrams'
+    keys and values are computed in every loop, and the MoE balancing loss is the mean over the last k
+    loops' block calls; returns (output, aux)."""
     injected = core.inject(s)
     decay = torch.exp(-F.softplus(core.decay_lambda.float()))
     h, aux = None, []
@@ -65,8 +66,9 @@ def reference_core(core, s, freqs, bucket_ids, seg_real, n_loops: int, k: int) -
         if core.loop_embedding is not None:
             h = h + core.loop_embedding.weight[i]
         loop = torch.tensor(i)
-        for block in core.layers:
-            h, block_aux, _ = block(h, loop, freqs, bucket_ids, seg_real)
+        memory = core.engram_memory(bucket_ids, s.dtype)  # again every loop, as the core computed it once did
+        for block, block_memory in zip(core.layers, memory, strict=True):
+            h, block_aux, _ = block(h, loop, freqs, block_memory, seg_real)
             if i >= n_loops - k:
                 aux.append(block_aux)
     return core.norm(h), torch.stack(aux).mean()

@@ -199,3 +199,32 @@ def test_small_flavors_cost_at_least_four_times_debug_per_byte():
     spider = [spider_flops_per_byte(SPIDER_FLAVORS[f], 256) for f in ("debug", "small")]
     dense = [dense_flops_per_token(DENSE_FLAVORS[f], 256) for f in ("debug", "small")]
     assert 4.0 <= spider[1] / spider[0] < 5.0 and 4.0 <= dense[1] / dense[0] < 5.0, (spider, dense)
+
+
+def test_engram_is_computed_once_for_every_loop():
+    """The Engrams' keys and values read the segments' bytes, not the state, so the core computes them
+    once per forward (``Engram.memory``), not once per loop: FlopCounterMode's difference between the
+    model with and without its Engrams is the same at 1 and 4 loops (per loop it would grow 4x), and
+    the formula's difference matches it within 1 %."""
+    spent, predicted = {}, {}
+    for n_loops in (1, 4):
+        totals = []
+        for layers in ([0, 1], []):
+            args = dataclasses.replace(
+                SPIDER_FLAVORS["debug"],
+                n_loops=n_loops,
+                boundary_predictor="fixed",
+                loop_lora=False,
+                engram_layers=layers,
+            )
+            torch.manual_seed(0)
+            model = Spider(args)
+            model.init_weights()
+            ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+            measured, aux = measured_train_flops(model, ids)
+            totals.append((measured, aux["flops_per_byte"].item() * ids.numel()))
+        (with_measured, with_predicted), (without_measured, without_predicted) = totals
+        spent[n_loops], predicted[n_loops] = with_measured - without_measured, with_predicted - without_predicted
+        assert spent[n_loops] > 0.005 * with_measured  # not vacuous
+        assert abs(predicted[n_loops] / spent[n_loops] - 1) < 0.01, (n_loops, spent, predicted)
+    assert abs(spent[4] / spent[1] - 1) < 0.01, spent

@@ -9,6 +9,8 @@ pass gradients to the tables from the first step):
 
 ``e = [table1[b1], table2[b2]]`` (2 * engram_dim), ``k = key_norm(key_proj(e))``,
 ``q = query_norm(h)``, ``alpha = sigmoid(<q, k> / sqrt(dim))``, output ``alpha * value_proj(e)``.
+Only ``q`` reads the state: the keys and values depend on the segment's bytes alone, so the
+recurrent core computes them once per forward (:meth:`Engram.memory`) and every loop reads them.
 
 Hash (integer arithmetic, identical on every device, no host round trip):
 ``h1 = sum_j (byte_j + 1) * BASE**j  mod P`` over the segment's bytes (j = position inside the
@@ -61,7 +63,8 @@ def engram_bucket_ids(
 
 
 class Engram(nn.Module):
-    """``forward(h (B, S, dim), bucket_ids (B, S, 2)) -> (B, S, dim)``, added to the residual."""
+    """``memory(bucket_ids (..., 2), dtype) -> (..., 2 dim)``, then per loop
+    ``forward(h (B, S, dim), memory (B, S, 2 dim)) -> (B, S, dim)``, added to the residual."""
 
     def __init__(self, dim: int, n_buckets: int, engram_dim: int, norm_eps: float):
         super().__init__()
@@ -73,12 +76,17 @@ class Engram(nn.Module):
         self.query_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.key_norm = nn.RMSNorm(dim, eps=norm_eps)
 
-    def forward(self, h: torch.Tensor, bucket_ids: torch.Tensor) -> torch.Tensor:
-        e = torch.cat([self.table1(bucket_ids[..., 0]), self.table2(bucket_ids[..., 1])], dim=-1).to(h.dtype)
-        k = self.key_norm(self.key_proj(e))
+    def memory(self, bucket_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The segments' normalised keys and values, ``[key_norm(key_proj(e)), value_proj(e)]``: what
+        does not depend on the state, computed once for every loop that reads it."""
+        e = torch.cat([self.table1(bucket_ids[..., 0]), self.table2(bucket_ids[..., 1])], dim=-1).to(dtype)
+        return torch.cat([self.key_norm(self.key_proj(e)), self.value_proj(e)], dim=-1)
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        k, v = memory.split(self.dim, dim=-1)
         q = self.query_norm(h)
         alpha = torch.sigmoid((q * k).sum(dim=-1, keepdim=True) / math.sqrt(self.dim))
-        return alpha * self.value_proj(e)
+        return alpha * v
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         nn.init.zeros_(self.table1.weight)

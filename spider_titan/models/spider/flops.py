@@ -89,7 +89,6 @@ def spider_flops_breakdown(
             "core_lora": a.n_core * a.loop_lora * lora,
             "moe_router": a.n_core * mm(d, a.n_experts) / bps,
             "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
-            "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
         }
 
     per_loop = loop_cost(bps, S)
@@ -102,6 +101,8 @@ def spider_flops_breakdown(
         "boundary_predictor": 2 * mm(d, dp) * learned,  # q_proj and k_proj
         # inject once per segment (the core's input, packed with it), up_proj per (B, S) slot
         "inject_up_proj": mm(d, d) / bps + mm(d, d) * per_slot,
+        # each Engram's key and value projections, once per segment for every loop (Engram.memory)
+        "engram": len(a.engram_layers) * 2 * mm(2 * a.engram_dim, d) / bps,
         "residual_proj": mm(d, d),
         # the EMA over segments as one (S x S) @ (S x dim) product per row (learned segments only)
         "dechunk_smoothing": mm(S, d) * per_slot * learned,

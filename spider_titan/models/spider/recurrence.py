@@ -9,7 +9,9 @@ Loop i of ``n_loops`` on the chunk vectors ``s (B, S, dim)``, starting from ``h_
    learned diagonal, 1/2 at init); ``inject(s)`` is computed once for every loop.
 2. ``h = h + loop_embedding[i]`` (zero-initialised; none with ``loop_embedding = false``).
 3. Each core block: MLA over segments (causal, RoPE by segment index, loop i's LoRA on ``wq``/``wo``),
-   an Engram at the blocks in ``engram_layers``, then the MoE with the segment mask as its token mask.
+   an Engram at the blocks in ``engram_layers`` (its keys and values, which read the segments' bytes
+   only, computed once for every loop: ``Engram.memory``), then the MoE with the segment mask as its
+   token mask.
    The loops run on the batch's real segments only, packed once into one row (attention.PackedRows:
    the attention lays them out as (B, S) rows again), and the output is laid out as rows at the end.
 4. With ``loop_step_size`` the loop hands on ``h_in + g_i (h - h_in)`` (``h_in`` the state it received).
@@ -159,9 +161,10 @@ class LoopLoRA(nn.Module):
 class CoreBlock(nn.Module):
     """One weight-shared core block (MLA + per-loop LoRA, optional Engram, MoE).
 
-    ``forward(h (B, S, dim), loop, freqs, bucket_ids (B, S, 2), seg_mask (B, S))
-    -> (h, moe_aux_loss (scalar), moe_counts (E,))``; tensors only (``packed`` a tuple of two), so
-    activation checkpointing and torch.compile can wrap it as is. ``packed``: h, bucket_ids and
+    ``forward(h (B, S, dim), loop, freqs, memory (B, S, 2 dim) | None, seg_mask (B, S))
+    -> (h, moe_aux_loss (scalar), moe_counts (E,))``, ``memory`` the Engram's (:meth:`Engram.memory`,
+    None without one); tensors only (``packed`` a tuple of three), so
+    activation checkpointing and torch.compile can wrap it as is. ``packed``: h, memory and
     seg_mask hold one packed row (1, N, ...) and freqs one rotation per segment (module docstring,
     item 3); the attention needs the rows' layout.
     """
@@ -194,7 +197,7 @@ class CoreBlock(nn.Module):
         h: torch.Tensor,
         loop: torch.Tensor,
         freqs: torch.Tensor,
-        bucket_ids: torch.Tensor,
+        memory: torch.Tensor | None,
         seg_mask: torch.Tensor,
         cache: KVCache | None = None,
         packed: PackedRows | None = None,
@@ -209,7 +212,7 @@ class CoreBlock(nn.Module):
             packed=packed,
         )
         if self.engram is not None:
-            h = h + self.engram(h, bucket_ids)
+            h = h + self.engram(h, memory)
         y, stats = self.moe(self.moe_norm(h), token_mask=seg_mask)
         return h + y, stats.aux_loss, stats.counts
 
@@ -222,6 +225,11 @@ class CoreBlock(nn.Module):
             self.engram.init_weights(init_std, out_std)
         self.moe_norm.reset_parameters()
         self.moe.init_weights(init_std, out_std)
+
+
+def _each(memory: tuple[torch.Tensor | None, ...], fn) -> tuple[torch.Tensor | None, ...]:
+    """``fn`` of each block's Engram memory (None stays None)."""
+    return tuple(None if m is None else fn(m) for m in memory)
 
 
 def causal_quantile(x: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -384,7 +392,7 @@ class RecurrentCore(nn.Module):
         ``depth_capacity`` ``depth_caches``, the router's state per loop."""
         B, S, _ = s.shape
         h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)  # keyed by (row, segment)
-        rows = (freqs, bucket_ids, seg_real)  # the routed loops run on (B, S) rows
+        rows = (freqs, seg_real)  # the routed loops run on (B, S) rows
         if packed is not None:  # (B, S, ...) -> (1, N, ...) once for every loop and block
             s, bucket_ids, seg_real = (packed.pack(t) for t in (s, bucket_ids, seg_real))
             freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2): index in its row
@@ -392,6 +400,7 @@ class RecurrentCore(nn.Module):
         truncate = backprop_loops > 0 and torch.is_grad_enabled()
         first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
         injected = self.inject(s)  # (B, S, dim), the same every loop
+        memory = self.engram_memory(bucket_ids, s.dtype)  # per block, the same every loop
         decay = torch.exp(-F.softplus(self.decay_lambda.float())).to(s.dtype)  # (dim,) in (0, 1)
 
         aux_sum = s.new_zeros((), dtype=torch.float32)
@@ -403,8 +412,8 @@ class RecurrentCore(nn.Module):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
                 if self.depth is not None and i >= 1:
                     if packed is not None:  # from here on the state and its inputs live in (B, S) rows
-                        h, injected, packed = packed.pad(h), packed.pad(injected), None
-                        freqs, bucket_ids, seg_real = rows
+                        h, injected, memory = packed.pad(h), packed.pad(injected), _each(memory, packed.pad)
+                        (freqs, seg_real), packed = rows, None
                     ran = seg_real if ran is None else ran
                     h, aux_sum, counts, ran, k = self.routed_loop(
                         i,
@@ -413,7 +422,7 @@ class RecurrentCore(nn.Module):
                         decay,
                         loop,
                         freqs,
-                        bucket_ids,
+                        memory,
                         ran,
                         aux_sum,
                         counts,
@@ -428,7 +437,7 @@ class RecurrentCore(nn.Module):
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count as a symbol (run_loop marks the state), so one graph serves every
                 # loop and every batch instead of a recompile per loop index and per new count.
-                for t, dim in ((freqs, freqs.dim() - 3), (bucket_ids, 1), (seg_real, 1)):
+                for t, dim in ((freqs, freqs.dim() - 3), (seg_real, 1), *((m, 1) for m in memory if m is not None)):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
                 if packed is not None:
                     torch._dynamo.maybe_mark_dynamic(packed.index, 0)
@@ -440,7 +449,7 @@ class RecurrentCore(nn.Module):
                     decay,
                     loop,
                     freqs,
-                    bucket_ids,
+                    memory,
                     seg_real,
                     aux_sum,
                     counts,
@@ -469,7 +478,7 @@ class RecurrentCore(nn.Module):
         decay: torch.Tensor,
         loop: torch.Tensor,
         freqs: torch.Tensor,
-        bucket_ids: torch.Tensor,
+        memory: tuple[torch.Tensor | None, ...],
         ran: torch.Tensor,
         aux_sum: torch.Tensor,
         counts: torch.Tensor,
@@ -505,7 +514,17 @@ class RecurrentCore(nn.Module):
         valid = runners.gather(1, idx)
         before = take(h)
         out, aux_sum, counts = self.run_loop(
-            before, take(injected), decay, loop, freqs[idx], take(bucket_ids), valid, aux_sum, counts, count_aux, caches
+            before,
+            take(injected),
+            decay,
+            loop,
+            freqs[idx],
+            _each(memory, take),
+            valid,
+            aux_sum,
+            counts,
+            count_aux,
+            caches,
         )
         gate = (1.0 + p - p.detach()).gather(1, idx).unsqueeze(-1).to(out.dtype)
         out = torch.where(valid.unsqueeze(-1), before + gate * (out - before), before)
@@ -518,7 +537,7 @@ class RecurrentCore(nn.Module):
         decay: torch.Tensor,
         loop: torch.Tensor,
         freqs: torch.Tensor,
-        bucket_ids: torch.Tensor,
+        memory: tuple[torch.Tensor | None, ...],
         seg_real: torch.Tensor,
         aux_sum: torch.Tensor,
         counts: torch.Tensor,
@@ -536,9 +555,9 @@ class RecurrentCore(nn.Module):
         torch._dynamo.maybe_mark_dynamic(h, 1)  # the state the first block receives (see forward)
         for j, block in enumerate(self.layers):
             if caches is None:
-                h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, packed=packed)
+                h, aux, cnt = block(h, loop, freqs, memory[j], seg_real, packed=packed)
             else:  # incremental decoding (decode.py): this loop's keys and values of block j
-                h, aux, cnt = block(h, loop, freqs, bucket_ids, seg_real, caches[j])
+                h, aux, cnt = block(h, loop, freqs, memory[j], seg_real, caches[j])
             if count_aux:  # the balancing loss over the loops that carry a graph
                 aux_sum = aux_sum + aux
             counts = counts + cnt
@@ -548,6 +567,15 @@ class RecurrentCore(nn.Module):
             gain = _at(self.extra_loop_gain, loop).to(h.dtype)
             h = torch.where(loop >= self.args.n_loops, before + gain * (h - before), h)
         return h, aux_sum, counts
+
+    def engram_memory(self, bucket_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+        """Per block, its Engram's keys and values of the segments ``bucket_ids (B, S, 2)`` (None for a
+        block without one): they read the segments' bytes, not the state, so every loop shares them."""
+        return tuple(None if b.engram is None else b.engram.memory(bucket_ids, dtype) for b in self._blocks())
+
+    def _blocks(self) -> list[CoreBlock]:
+        """The core blocks, under whatever wrapper activation checkpointing or compile put around them."""
+        return [next(m for m in layer.modules() if isinstance(m, CoreBlock)) for layer in self.layers]
 
     def folds_lora(self) -> bool:
         """Whether a forward without caches folds the per-loop LoRA into the weights
