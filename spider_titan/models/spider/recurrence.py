@@ -580,7 +580,7 @@ class RecurrentCore(nn.Module):
     def folds_lora(self) -> bool:
         """Whether a forward without caches folds the per-loop LoRA into the weights
         (``attention.adapted_linear``, where ``attention.can_fold``)."""
-        attn = next(m for m in self.layers.modules() if isinstance(m, MLA))  # blocks may be wrapped
+        attn = self._blocks()[0].attention
         return self.args.loop_lora and can_fold(attn.wq) and can_fold(attn.wo)
 
     def step_sizes(self) -> torch.Tensor:
