@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spider_titan.parallel.expert_parallel import CAPACITY_ALIGN, capacity_layout, capacity_rows
+from spider_titan.parallel.mesh import destroy_process_groups
 
 
 def _reference_layout(offs: list[int], capacity: int, rows: int, real: list[bool]) -> tuple[list[int], list[int]]:
@@ -92,7 +93,7 @@ def _worker(rank: int, world_size: int, store: str, out: str, factors: tuple[flo
         for factor in factors:
             torch.save(_one_factor(rank, mesh, factor), f"{out}.{factor}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def _one_factor(rank: int, mesh, factor: float) -> dict:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spider_titan.parallel.mesh import destroy_process_groups
 from tests.utils import check_ok, run_train, train_losses
 
 COMMON = [
@@ -140,7 +141,7 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
             )
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def test_gradient_sync_on_last_micro_batch_only(tmp_path):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from spider_titan.parallel.comm_counter import read_comm_counts, step_total
+from spider_titan.parallel.mesh import destroy_process_groups
 from tests.utils import REPO, check_ok, read_metrics, run_train
 
 COMMON = [
@@ -272,7 +273,7 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
             assert math.isclose(float(norm), float(ref_norm), rel_tol=1e-5), (overrides, float(norm), float(ref_norm))
         dist.barrier()  # all ranks done talking before any tears its gloo group down
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def test_gradients_match_one_process():
@@ -403,7 +404,7 @@ def _routing_replay_worker(rank: int, world_size: int, store: str, mode: str) ->
         dist.barrier()
     finally:
         MoE.select = real_select
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 @pytest.mark.parametrize("mode", ["ties", "reroute"])

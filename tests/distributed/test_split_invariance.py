@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spider_titan.parallel.mesh import destroy_process_groups
 from tests.utils import check_ok, read_metrics, run_train, train_losses
 
 pytestmark = pytest.mark.slow
@@ -135,7 +136,7 @@ def _moe_worker(rank: int, world_size: int, store: str, out: str) -> None:
         if rank == 0:
             torch.save({"aux": stats.aux_loss.detach(), "grad": grad}, out)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def _moe_and_batch():
