@@ -515,6 +515,15 @@ def kernel_bytes(args: argparse.Namespace) -> dict:
     return benchmark_kernel_bytes(args)
 
 
+@scenario("eager_bytes")
+def eager_bytes(args: argparse.Namespace) -> dict:
+    """Bytes the ops outside compiled code move per step of ``--config`` (default: the one-GPU Spider 1B)
+    at its real width, on fake tensors, by op and by source line (scripts/bench_eager_bytes.py)."""
+    from bench_eager_bytes import benchmark_eager_bytes
+
+    return benchmark_eager_bytes(args)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["gpu_1b"]:  # the GPU harness has its own command line (bench_gpu.py)
         from bench_gpu import main as gpu_1b
@@ -538,6 +547,13 @@ def main() -> int:
     )
     parser.add_argument("--model", help="generate: time scripts/generate.py on this export (default: the random model)")
     parser.add_argument("--moe_backends", default="", help="moe_layer: comma-separated (python_loop,torch,triton)")
+    parser.add_argument(
+        "--config", help="eager_bytes: the training config (default: train_configs/spider_1b_1gpu.toml)"
+    )
+    parser.add_argument(
+        "--bandwidth_tbs", type=float, default=4.0, help="eager_bytes: the memory bandwidth its milliseconds assume"
+    )
+    parser.add_argument("--top", type=int, default=25, help="eager_bytes: the source lines to list")
     args = parser.parse_args()
 
     unknown = [s for s in args.scenarios if s not in TRAIN_SCENARIOS and s not in SCENARIOS]

@@ -348,8 +348,9 @@ class _LiveStorages(TorchDispatchMode):
     A storage keeps its Python object while it lives, so a weak reference to it calls back exactly
     when it dies. Answers data-dependent host reads with the planning assumption (module docstring)."""
 
-    def __init__(self, known: set[int], int_read: int | None):
+    def __init__(self, known: set[int], int_read: int | None, observer: Callable | None = None):
         super().__init__()
+        self.observer = observer  # observer(func, args, kwargs, out): each op run outside compiled graphs
         self.known = known
         self.int_read = int_read
         self.refs: dict[int, weakref.ref] = {}
@@ -394,6 +395,8 @@ class _LiveStorages(TorchDispatchMode):
             return self.int_read
         out = func(*args, **(kwargs or {}))
         self.count_outputs(out)
+        if self.observer is not None:
+            self.observer(func, args, kwargs or {}, out)
         count = self.formulas.get(func._overloadpacket)
         if count is not None:
             self.flops += count(*args, **(kwargs or {}), out_val=out)
@@ -576,7 +579,11 @@ class CompiledSaves(nn.Module):
             del storages
             inputs = list(args)
             args.clear()  # the inputs the outputs do not alias die here, as in Inductor's code
-            out = op(inputs)
+            paused, recorder.paused = recorder.paused, True  # the outputs' allocations: counted below
+            try:
+                out = op(inputs)
+            finally:
+                recorder.paused = paused
             del inputs
             if not recorder.paused:
                 recorder.flops += op.flops
@@ -636,13 +643,14 @@ def _signature(x) -> tuple | str:
 def compile_like_trainer(model: nn.Module, spec, recorder: _LiveStorages) -> None:
     """Puts :class:`CompiledSaves` in place of each block the trainer compiles (parallel/compile.py). A
     checkpointed block keeps its wrapper, which keeps the block's inputs, and runs its block compiled
-    inside: the recompute in backward then holds what the compiled block saves."""
+    inside: the recompute in backward then holds what the compiled block saves. The spec's
+    ``compiled_modules`` are wrapped as well."""
     traced: dict = {}
-    for fqn, block in spec.blocks(model):
+    for fqn, block in spec.blocks(model) + spec.compiled_extras(model):
         if isinstance(block, CheckpointWrapper):
             block._checkpoint_wrapped_module = CompiledSaves(block._checkpoint_wrapped_module, recorder, traced)
         else:
-            container, name = fqn.rsplit(".", 1)
+            container, _, name = fqn.rpartition(".")
             model.get_submodule(container).register_module(name, CompiledSaves(block, recorder, traced))
 
 
@@ -683,7 +691,11 @@ def measure_activation_bytes(
     return _MEASURED[key]
 
 
-def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) -> ActivationMeasure:
+def _measure(
+    cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, observer: Callable | None = None
+) -> ActivationMeasure:
+    """:func:`measure_activation_bytes` uncached; ``observer`` sees each op run outside compiled graphs
+    (:class:`_LiveStorages`; scripts/bench_eager_bytes.py)."""
     from spider_titan.components.builder import build_model
     from spider_titan.moe.layer import MoE
     from spider_titan.parallel.precision import compute_precision
@@ -721,7 +733,7 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp) ->
         known = {
             t.untyped_storage()._cdata for t in before + [p.grad for p in model.parameters() if p.grad is not None]
         }
-        recorder = _LiveStorages(known, segments)
+        recorder = _LiveStorages(known, segments, observer)
         if compiled:
             compile_like_trainer(model, spec, recorder)
             # A compiled memory budget saves the MoE top-k in a selective-checkpoint region, which Dynamo

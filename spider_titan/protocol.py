@@ -181,6 +181,9 @@ class ModelSpec:
     graph_blockers:   ``args -> [reason, ...]``: why a training step's forward is not the same CUDA
                       graph every step (a host read of a data-dependent size, a per-step host choice);
                       ``training.cuda_graph`` refuses the run with them. None: nothing blocks
+    compiled_modules: modules outside the block containers that ``training.compile`` compiles too, each as
+                      one graph: glue whose shapes do not change with the data (Spider's boundary
+                      predictor runs on bytes), so it adds no recompile; a missing module is skipped
     export_args:      args fields an export writes at these values whatever the run trained with: how
                       training shaped its tensors for speed, which inference must not inherit (Spider's
                       static-shape capacities drop segments of a dense prompt)
@@ -207,6 +210,7 @@ class ModelSpec:
     quantize_keep_fqns: tuple[str, ...] | None = None
     graph_blockers: Callable[[Any], list[str]] | None = None
     export_args: dict[str, Any] = field(default_factory=dict)
+    compiled_modules: tuple[str, ...] = ()
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
@@ -253,6 +257,11 @@ class ModelSpec:
             for name, block in mod.named_children():
                 out.append((f"{container}.{name}", block))
         return out
+
+    def compiled_extras(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The ``compiled_modules`` this model has, as (fqn, module)."""
+        names = dict(model.named_modules())
+        return [(fqn, names[fqn]) for fqn in self.compiled_modules if fqn in names]
 
 
 PostStepHook = Callable[[], "dict[str, torch.Tensor] | None"]

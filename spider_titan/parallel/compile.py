@@ -12,6 +12,10 @@ forward; Spider's core passes its loop index as a tensor and marks the segment c
 batch. Measured on the debug flavor (CPU, inductor, 20 steps, n_loops 3, aux-free balancing):
 no graph break, 1 recompile (core blocks with and without Engram differ in structure), losses
 equal to eager within 1e-7 (tests/integration/test_precision_compile.py).
+
+The model's ``compiled_modules`` (protocol.ModelSpec) are compiled the same way: glue between the
+blocks on shapes that never change with the data, whose many small ops would otherwise each run
+eagerly (Spider's boundary predictor: its fp32 cosine score forward and backward, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ logger = logging.getLogger("spider_titan")
 
 
 def apply_compile(model: nn.Module, spec: ModelSpec) -> int:
-    """Compile every block of ``spec`` in place; returns how many blocks."""
+    """Compile every block of ``spec`` and its ``compiled_modules`` in place; returns how many blocks."""
     blocks = spec.blocks(model)
-    for _, block in blocks:
-        block.compile(fullgraph=True)
-    logger.info("torch.compile: %d blocks", len(blocks))
+    extras = spec.compiled_extras(model)
+    for _, module in blocks + extras:
+        module.compile(fullgraph=True)
+    logger.info("torch.compile: %d blocks%s", len(blocks), "".join(f", {fqn}" for fqn, _ in extras))
     return len(blocks)

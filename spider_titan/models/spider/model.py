@@ -299,6 +299,7 @@ SPIDER_SPEC = ModelSpec(
     calibrate=calibrate_extra_loops,
     graph_blockers=spider_graph_blockers,
     export_args={"segment_capacity": 0.0, "packed_capacity": 0.0},  # static shapes are training's choice
+    compiled_modules=("boundary_predictor",),  # on (B, T) bytes, whatever the segmentation
     decoder="spider_titan.models.spider.decode",
     effective_loops=effective_loops,
     hf_modules=HFModules(
