@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 REPO = Path(__file__).resolve().parent.parent
-NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense", "_to_copy_meta"}
+NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}
 
 
@@ -140,7 +140,9 @@ def measure(config: str, overrides: list[str], param_dtype: torch.dtype = torch.
     _FusedRMSNorm.observer = seen
     try:
         with torch.autograd.detect_anomaly(check_nan=False), gpu_rms_norm():  # anomaly mode keeps the forward stacks
-            plan._measure(cfg, t.local_batch_size, t.seq_len, param_dtype, True, True, False, observer=seen)
+            plan.measure_activation_bytes(
+                cfg, batch=t.local_batch_size, seq_len=t.seq_len, param_dtype=param_dtype, fsdp=False, observer=seen
+            )
     finally:
         _FusedRMSNorm.observer = None
     return seen

@@ -676,13 +676,17 @@ def measure_activation_bytes(
     gpu_attention: bool = True,
     backward: bool = True,
     fsdp: bool = True,
+    observer: Callable | None = None,
 ) -> ActivationMeasure:
     """Bytes one micro-batch's forward and loss leave alive for backward, and the most alive at once
     over forward and (``backward``) backward, at the config's width, with its converters, activation
     checkpointing and compiled blocks, on fake tensors (module docstring). Without ``fsdp`` and with a
     ``param_dtype`` below fp32, the step runs as the builder sets it up on a GPU: fp32 parameters cast
     once per step (``mixed_precision_mode``: all of them, or the matmul weights under autocast; their
-    copies: ``cast_bytes``)."""
+    copies: ``cast_bytes``). ``observer(func, args, kwargs, out)`` sees each op run outside compiled
+    graphs (scripts/bench_eager_bytes.py); a step observed is measured afresh, not cached."""
+    if observer is not None:
+        return _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, observer)
     key = (repr(cfg), batch, seq_len, param_dtype, gpu_attention, backward, fsdp)
     if key not in _MEASURED:
         if len(_MEASURED) >= 16:
@@ -691,11 +695,7 @@ def measure_activation_bytes(
     return _MEASURED[key]
 
 
-def _measure(
-    cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, observer: Callable | None = None
-) -> ActivationMeasure:
-    """:func:`measure_activation_bytes` uncached; ``observer`` sees each op run outside compiled graphs
-    (:class:`_LiveStorages`; scripts/bench_eager_bytes.py)."""
+def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, observer=None) -> ActivationMeasure:
     from spider_titan.components.builder import build_model
     from spider_titan.moe.layer import MoE
     from spider_titan.parallel.precision import compute_precision
