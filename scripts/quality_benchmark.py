@@ -108,6 +108,12 @@ RUNS = [
         "the boundary predictor's q/k projections at the model width (H-Net's square routing module)",
     ),
     Run("spider_no_engram", SPIDER_CONFIG, ("--model.engram_layers", "[]"), "no Engram memory"),
+    Run(
+        "spider_more_engram",
+        SPIDER_CONFIG,
+        ("--model.engram_layers", "[0, 1]", "--model.engram_buckets", "8192"),
+        "an Engram in both core blocks of debug and small, 4x small's buckets (nearly free in FLOPs since they are read once a forward)",
+    ),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
     Run(
