@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_gpu import NO_KERNEL  # the GPU harness's ops that launch no kernel: views, bare allocations
 from torch.utils._pytree import tree_flatten
 
 REPO = Path(__file__).resolve().parent.parent
-NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}
 
 
@@ -125,7 +125,7 @@ class EagerBytes:
         node = torch._C._current_autograd_node()
         if node is not None and node.name() == "torch::autograd::AccumulateGrad":
             return  # the planner's gradients exist before the step; a step's first micro-batch steals its own
-        if self.hiding or func.is_view or func.namespace == "prim" or name in NO_KERNEL or name in MATMULS:
+        if self.hiding or func.is_view or func.namespace == "prim" or f"aten::{name}" in NO_KERNEL or name in MATMULS:
             return
         self.record(name, (args, kwargs, out))
 
