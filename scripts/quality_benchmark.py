@@ -112,8 +112,10 @@ RUNS = [
         "spider_more_engram",
         SPIDER_CONFIG,
         ("--model.engram_layers", "[0, 1]", "--model.engram_buckets", "8192"),
-        "an Engram in both core blocks of debug and small, 4x small's buckets (nearly free in FLOPs since they are read once a forward)",
+        "an Engram in both core blocks with 8,192 buckets: small's default since 2026-11-28, debug's candidate",
     ),
+    Run("spider_one_engram", SPIDER_CONFIG, ("--model.engram_layers", "[1]"), "one Engram, in core block 1"),
+    Run("spider_engram_2048", SPIDER_CONFIG, ("--model.engram_buckets", "2048"), "Engram tables of 2,048 buckets"),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
     Run(

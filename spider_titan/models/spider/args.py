@@ -254,8 +254,9 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config. A narrow boundary predictor (docs/experiments.md,
     # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections.
     "debug": SpiderArgs(boundary_dim=32),
-    # ~4x debug's training FLOPs per byte (4.1x at seq 256; 4.7 M parameters): the second scale of the
-    # quality study (docs/benchmarks.md), every width doubled, the structure of debug kept.
+    # ~4x debug's training FLOPs per byte (4.1x at seq 256; 6.6 M parameters): the second scale of the
+    # quality study (docs/benchmarks.md), every width doubled, the structure of debug kept, except an Engram
+    # in both core blocks with 8,192 buckets (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram").
     "small": SpiderArgs(
         boundary_dim=32,
         dim=256,
@@ -265,7 +266,8 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         v_head_dim=64,
         inter_dim=704,
         moe_inter_dim=160,
-        engram_buckets=2048,
+        engram_layers=[0, 1],
+        engram_buckets=8192,
         engram_dim=64,
     ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
