@@ -116,6 +116,7 @@ RUNS = [
     ),
     Run("spider_one_engram", SPIDER_CONFIG, ("--model.engram_layers", "[1]"), "one Engram, in core block 1"),
     Run("spider_engram_2048", SPIDER_CONFIG, ("--model.engram_buckets", "2048"), "Engram tables of 2,048 buckets"),
+    Run("spider_engram_16k", SPIDER_CONFIG, ("--model.engram_buckets", "16384"), "Engram tables of 16,384 buckets"),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
     Run(
