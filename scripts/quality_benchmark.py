@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,18 @@ RUNS = [
     Run("spider_one_engram", SPIDER_CONFIG, ("--model.engram_layers", "[1]"), "one Engram, in core block 1"),
     Run("spider_engram_2048", SPIDER_CONFIG, ("--model.engram_buckets", "2048"), "Engram tables of 2,048 buckets"),
     Run("spider_engram_16k", SPIDER_CONFIG, ("--model.engram_buckets", "16384"), "Engram tables of 16,384 buckets"),
+    Run(
+        "spider_aux_free",
+        SPIDER_CONFIG,
+        ("--moe.load_balance", "aux_free"),
+        "experts balanced by DeepSeek-V3's selection bias alone (no balancing loss)",
+    ),
+    Run(
+        "spider_balance_both",
+        SPIDER_CONFIG,
+        ("--moe.load_balance", "both"),
+        "the balancing loss and the selection bias together (the 1B configs' setting)",
+    ),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
     Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
     Run(
@@ -278,7 +291,7 @@ def run_one(run: Run, args, out: Path | None = None, deadline: float | None = No
     """Probe, train to the budget and evaluate ``run`` (dumps under ``out``, default ``args.out``); every
     command is stopped at ``deadline`` (``OutOfTime``)."""
     out = Path(args.out) if out is None else out
-    extra = run_overrides(args)
+    extra = run_overrides(args, run)
     budget = args.flops if run.name in ("spider", "dense") else args.ablation_flops or args.flops
     per_step = flops_per_step(run, out, extra, args.probe_steps, args.threads, deadline)
     if args.length == "flops":  # the run spends the budget itself; the probe sets its cap and validations
@@ -429,12 +442,14 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run_overrides(args) -> list[str]:
-    """The trainer overrides every run of one invocation shares: corpus, flavor and seed."""
+def run_overrides(args, run: Run | None = None) -> list[str]:
+    """The trainer overrides every run of one invocation shares: corpus, flavor and seed, then
+    ``--spider-set`` for a Spider ``run``."""
     data = (
         ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
     )
-    return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed)]
+    spider = shlex.split(args.spider_set) if run is not None and run.config == SPIDER_CONFIG else []
+    return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed), *spider]
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -478,6 +493,12 @@ def arg_parser() -> argparse.ArgumentParser:
         "the paired difference to the first, with its standard error; per-segment depth also at twice its "
         "shares); empty: skip",
     )
+    p.add_argument(
+        "--spider-set",
+        default="",
+        help="trainer overrides added to every Spider run after its own, e.g. "
+        "--spider-set='--model.n_experts 16 --model.top_k 4' (the dense runs do not get them)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
     p.add_argument("--plot-to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
@@ -507,6 +528,8 @@ def main(argv: list[str] | None = None) -> None:
             results = list(pool.map(lambda r: run_one(r, args), runs))
     summaries = [summarise(r) for r in results]
     md = table(summaries)
+    if args.spider_set:
+        md = f"Spider runs with `{args.spider_set}`.\n\n{md}"
     (out / "quality.md").write_text(md + "\n")
     (out / "quality.json").write_text(json.dumps(summaries, indent=1))
     corpus = Path(args.data).name if args.data else "built-in corpus"

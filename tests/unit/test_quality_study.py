@@ -184,3 +184,25 @@ def test_loops_histogram_from_the_shares_of_each_loop(monkeypatch):
     assert hist == pytest.approx({1: 0.6, 2: 0.1, 3: 0.3}) and not importlib.import_module(
         "quality_study"
     ).loops_histogram({})
+
+
+def test_spider_set_reaches_the_spider_runs_only(monkeypatch):
+    """--spider-set's overrides follow a Spider run's own (so they win over them) and leave the dense runs
+    alone (a model field Spider has would fail the dense config)."""
+    from spider_titan.config.manager import parse_args
+    from tests.utils import REPO
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.chdir(REPO)
+    qb = importlib.import_module("quality_benchmark")
+    runs = {r.name: r for r in qb.RUNS}
+    args = qb.arg_parser().parse_args(["--flavor", "small", "--spider-set=--model.n_experts 16 --model.top_k 4"])
+    spider = qb.run_overrides(args, runs["spider_one_engram"])
+    dense = qb.run_overrides(args, runs["dense"])
+    assert spider[-4:] == ["--model.n_experts", "16", "--model.top_k", "4"] and "--model.n_experts" not in dense
+    cmd = qb.train_cmd(runs["spider_one_engram"], Path("d"), 10, spider, val_freq=None)
+    cfg = parse_args(cmd[cmd.index("--job.config_file") :])
+    assert cfg.model.overrides == {"n_experts": 16, "top_k": 4, "engram_layers": [1]}
+    assert qb.run_overrides(qb.arg_parser().parse_args([]), runs["spider"]) == qb.run_overrides(
+        qb.arg_parser().parse_args([])
+    )
