@@ -27,7 +27,7 @@ logger = logging.getLogger("spider_titan")
 # Parameters whose FQN contains one of these are not decayed: embedding tables (decaying rarely
 # used rows only shrinks them) and per-loop LoRA adapters (the adapters of loops a run never
 # reaches get no gradient, and decay alone would erode them).
-_NO_DECAY_NAMES = ("embed_tokens", "loop_embedding", "engram", "lora")
+_NO_DECAY_NAMES = ("embed_tokens", "byte_ngrams", "loop_embedding", "engram", "lora")
 
 
 # Wrapper modules that insert themselves into FQNs (activation checkpointing, torch.compile).

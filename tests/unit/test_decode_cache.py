@@ -29,6 +29,9 @@ def _model(**overrides) -> Spider:
         # identity projections give every byte the same score; random ones make the predictor fire
         torch.nn.init.normal_(model.boundary_predictor.q_proj.weight, std=0.2)
         torch.nn.init.normal_(model.boundary_predictor.k_proj.weight, std=0.2)
+    if model.byte_ngrams is not None:  # zero tables add nothing; random ones show a window that reads wrong bytes
+        for table in model.byte_ngrams.tables:
+            torch.nn.init.normal_(table.weight, std=0.5)
     return model.eval()
 
 
@@ -43,24 +46,28 @@ DEPTH = [0.5, 0.5, 0.25]  # per-segment depth (recurrence.DepthRouter): loops 2-
 
 
 @pytest.mark.parametrize(
-    "predictor, n_loops, convention, depth",
+    "predictor, n_loops, convention, depth, ngrams",
     [
-        ("cosine", 1, "mean", []),
-        ("cosine", 3, "mean", []),
-        ("fixed", 2, "mean", []),
-        ("cosine", 2, "first", []),
-        ("fixed", 2, "first", []),
-        ("cosine", 4, "first", DEPTH),
-        ("cosine", 3, "mean", DEPTH),
+        ("cosine", 1, "mean", [], []),
+        ("cosine", 3, "mean", [], []),
+        ("fixed", 2, "mean", [], []),
+        ("cosine", 2, "first", [], []),
+        ("fixed", 2, "first", [], []),
+        ("cosine", 4, "first", DEPTH, []),
+        ("cosine", 3, "mean", DEPTH, []),
+        ("cosine", 2, "first", [], [2, 3, 6]),  # hashed byte n-grams: each new byte's window of earlier bytes
     ],
     ids=str,
 )
-def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops, convention, depth):
+def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops, convention, depth, ngrams):
     """A 520-byte row (an 8-byte prompt, 64 bytes one by one, then 448 at once): every position's logits, with our segment
     convention (``mean``) and with H-Net's (``first``: chunk starts), learned segments (dechunk
     smoothing and the confidence factor) and fixed ones (neither), and with per-segment depth (a
-    loop's cache holds its runners only)."""
-    model = _model(boundary_predictor=predictor, chunk_convention=convention, depth_capacity=depth)
+    loop's cache holds its runners only), and with hashed byte n-grams (each new byte's n-grams read the
+    bytes before it)."""
+    model = _model(
+        boundary_predictor=predictor, chunk_convention=convention, depth_capacity=depth, byte_ngram_orders=ngrams
+    )
     ids = torch.tensor([_row(520, 1)])
     with torch.no_grad():
         full = model(ids, n_loops=n_loops).logits

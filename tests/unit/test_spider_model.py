@@ -81,14 +81,22 @@ def causality_gaps(model: Spider, ids: torch.Tensor, *, train: bool, seed: int, 
     return out
 
 
-def randomize_engram_tables(model: Spider) -> None:
-    """Engram tables start at zero (adding nothing); random ones make a leak through its hashes visible."""
-    g = torch.Generator().manual_seed(99)
+def open_residual(model: Spider) -> None:
+    """``residual_proj`` starts at zero, so a byte's own prelude state reaches its logits only through the
+    core; a random one opens the direct path, where a leak into a byte's embedding shows under either convention."""
     with torch.no_grad():
-        for block in model.core.layers:
-            if block.engram is not None:
-                for table in (block.engram.table1, block.engram.table2):
-                    table.weight.copy_(torch.randn(table.weight.shape, generator=g))
+        model.residual_proj.weight.copy_(torch.randn(model.residual_proj.weight.shape) * 0.1)
+
+
+def randomize_engram_tables(model: Spider) -> None:
+    """Engram and byte n-gram tables start at zero (adding nothing); random ones make a leak through their
+    hashes visible."""
+    g = torch.Generator().manual_seed(99)
+    tables = [t for b in model.core.layers if b.engram is not None for t in (b.engram.table1, b.engram.table2)]
+    tables += [] if model.byte_ngrams is None else list(model.byte_ngrams.tables)
+    with torch.no_grad():
+        for table in tables:
+            table.weight.copy_(torch.randn(table.weight.shape, generator=g))
 
 
 # Every boundary configuration (learned or fixed segments x chunk convention; a learned predictor
@@ -106,17 +114,24 @@ BOUNDARY_CONFIGS = {
 # Per-segment depth (recurrence.DepthRouter) under both conventions: 3 loops, the last two routed.
 DEPTH = {"n_loops": 3, "depth_capacity": [0.5, 0.5, 0.5]}
 DEPTH_CONFIGS = {"depth_first": {"chunk_convention": "first", **DEPTH}, "depth_mean": {**MEAN_PATH, **DEPTH}}
+# Hashed byte n-grams at the input (engram.ByteNgrams), under both conventions
+NGRAMS = {"byte_ngram_orders": [2, 3, 6]}
+NGRAM_CONFIGS = {"ngrams_first": {"chunk_convention": "first", **NGRAMS}, "ngrams_mean": {**MEAN_PATH, **NGRAMS}}
 
 
-@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first", *DEPTH_CONFIGS])
+@pytest.mark.parametrize(
+    "predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first", *DEPTH_CONFIGS, *NGRAM_CONFIGS]
+)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_causality(monkeypatch, predictor, train):
     # the forced predictors with either convention: ragged segments under both read only the past
-    config = DEPTH_CONFIGS.get(predictor) or (
+    config = (DEPTH_CONFIGS | NGRAM_CONFIGS).get(predictor) or (
         {"chunk_convention": "first"} if predictor == "content_first" else BOUNDARY_CONFIGS.get(predictor, MEAN_PATH)
     )
     model = build(seed=1, **config)
     randomize_engram_tables(model)
+    if predictor in NGRAM_CONFIGS:
+        open_residual(model)
     if predictor in ("content", "content_first"):
         monkeypatch.setattr(model.boundary_predictor, "forward", content_predictor)
     elif predictor == "every_byte":
@@ -149,6 +164,20 @@ def test_causality_check_catches_a_missing_shift(monkeypatch, segments):
 
     model = build_for_leak(monkeypatch, segments, "mean")
     monkeypatch.setattr(seg_mod, "upsample", leaky_upsample)
+    gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
+    assert max(before for _, before, _ in gaps) > 1e-3
+
+
+@pytest.mark.parametrize("convention", ["first", "mean"])
+def test_causality_check_catches_byte_ngrams_that_read_the_next_byte(monkeypatch, convention):
+    """Each byte's n-gram buckets shifted one byte back (the n-gram ending at the next byte): the check flags it."""
+    model = build(seed=1, **NGRAM_CONFIGS[f"ngrams_{convention}"])
+    randomize_engram_tables(model)
+    open_residual(model)
+    own = engram_mod.ByteNgrams.bucket_ids
+    monkeypatch.setattr(
+        engram_mod.ByteNgrams, "bucket_ids", lambda self, ids, first=0: _pad(own(self, ids, first)[:, 1:], (0, 0, 0, 1))
+    )
     gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
     assert max(before for _, before, _ in gaps) > 1e-3
 
@@ -294,6 +323,52 @@ def test_engram_hash_matches_reference():
             ]
             assert got[b, k].tolist() == want
             prev, lo = h1, end + 1
+
+
+def test_byte_ngram_hash_matches_reference():
+    """Order n's bucket at byte p is a hash of bytes p-n+1..p alone (0 before the row's start), the same
+    n-gram gets the same bucket anywhere, and a window from ``first`` gives the whole row's buckets there."""
+    P, BASE = engram_mod._P, engram_mod._BASE
+    g = torch.Generator().manual_seed(6)
+    orders, n_buckets = [2, 3, 5], 1000
+    ngrams = engram_mod.ByteNgrams(orders, n_buckets, dim=4)
+    ids = torch.randint(0, 272, (2, 40), generator=g)
+    ids[1, 20:26] = ids[1, 4:10]  # a repeated 6-gram
+    got = ngrams.bucket_ids(ids)
+    assert got.shape == (2, 40, 3)
+    for b in range(2):
+        for p in range(40):
+            for i, n in enumerate(orders):
+                h = sum((ids[b, p - j].item() + 1 if p >= j else 0) * pow(BASE, j, P) for j in range(n)) % P
+                want = (h * (engram_mod._MIX[0] * (n + 1) % P) + engram_mod._ADD[0] + n - 1) % P % n_buckets
+                assert got[b, p, i].item() == want, (b, p, n)
+    assert torch.equal(got[1, 25], got[1, 9])  # every order of the repeated 6-gram's last byte
+    for first in (0, 1, 3, 4, 17, 39):
+        assert torch.equal(ngrams.bucket_ids(ids, first), got[:, first:])
+
+
+def test_byte_ngrams_start_as_nothing_and_learn():
+    """Zero tables: the same logits as the model without them (the other weights drawn alike); one
+    backward reaches every row the real bytes' n-grams hit (not the PAD tail's alone: no loss reads it)
+    and no other, in every table; no weight decay on them."""
+    from spider_titan.optim.optimizers import param_groups
+
+    ids = sample_ids(0)
+    plain, with_ngrams = build(seed=3), build(seed=3, **NGRAMS)
+    torch.testing.assert_close(run_logits(with_ngrams, ids, train=False), run_logits(plain, ids, train=False))
+    with_ngrams.train()
+    with_ngrams(ids, labels=torch.roll(ids, -1, dims=1)).loss.backward()
+    buckets = with_ngrams.byte_ngrams.bucket_ids(ids)
+    real = ids != PAD_ID
+    for i, table in enumerate(with_ngrams.byte_ngrams.tables):
+        hit, hit_real = (torch.zeros(table.num_embeddings, dtype=torch.bool) for _ in range(2))
+        hit[buckets[..., i].flatten()] = True
+        hit_real[buckets[..., i][real]] = True
+        row_grad = table.weight.grad.abs().sum(-1)
+        assert (row_grad[hit_real] > 0).all() and (row_grad[~hit] == 0).all()
+    tables = {id(t.weight) for t in with_ngrams.byte_ngrams.tables}
+    groups = param_groups(with_ngrams, weight_decay=0.1, lr=1e-3)
+    assert all(g["weight_decay"] == 0.0 for g in groups if any(id(p) in tables for p in g["params"]))
 
 
 # ------------------------------------------------------------------------------ losses and aux

@@ -97,6 +97,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
         (2, 256, {"boundary_dim": 0}, None),
         (2, 256, {"n_loops": 4, "depth_capacity": [0.5, 0.5, 0.25]}, None),
+        (2, 256, {"byte_ngram_orders": [2, 3, 4]}, None),
     ],
     ids=[
         "default",
@@ -108,6 +109,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "truncated",
         "full_width_predictor",
         "per_segment_depth",
+        "byte_ngrams",  # table lookups: no FLOPs in either count
     ],
 )
 def test_flops_per_byte_matches_flop_counter(B, T, overrides, threshold):

@@ -55,6 +55,12 @@ class SpiderArgs:
     engram_dim: int = ranged(32, low=1)
     """Width of each Engram table row; the two lookups are concatenated (2 * engram_dim)."""
 
+    # ---- byte n-grams (hashed embeddings at the input, engram.ByteNgrams)
+    byte_ngram_orders: list[int] = field(default_factory=list)
+    """n-gram lengths (each >= 2) whose hashed embedding tables add to each byte's embedding (BLT); empty: none."""
+    byte_ngram_buckets: int = ranged(8192, low=1)
+    """Rows of each byte n-gram table (one table of ``dim`` columns per order)."""
+
     # ---- recurrence
     n_loops: int = ranged(2, low=1)
     """Core loops in training (and at eval unless the caller passes ``n_loops``)."""
@@ -155,6 +161,11 @@ class SpiderArgs:
                 f"dim ({self.dim}) and moe_inter_dim ({self.moe_inter_dim}) must be multiples of 8 "
                 "(grouped GEMM needs 16-byte aligned rows)"
             )
+        if any(n < 2 for n in self.byte_ngram_orders) or len(set(self.byte_ngram_orders)) < len(self.byte_ngram_orders):
+            out.append(
+                f"byte_ngram_orders: {self.byte_ngram_orders}: give distinct lengths of at least 2 (length 1 is "
+                "the byte embedding itself)"
+            )
         bad = [j for j in self.engram_layers if not 0 <= j < self.n_core]
         if bad:
             out.append(f"engram_layers: {bad} are not core block indices 0..{self.n_core - 1}")
@@ -223,6 +234,8 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "packed_capacity": 0.0,
     "depth_capacity": [],
     "depth_scale_range": 1.0,
+    "byte_ngram_orders": [],
+    "byte_ngram_buckets": 8192,
 }
 
 # Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code

@@ -114,7 +114,7 @@ def _extend(model: Spider, cache: SpiderCache, row: RowCache, new: torch.Tensor)
         raise ValueError(f"decode: {pos} + {t} bytes exceed max_seq_len = {a.max_seq_len}; start a new cache")
     freqs = cache.freqs[pos : pos + t]
     ids = row.ids.append(new)  # (1, T)
-    x = model.prelude(model.embed_tokens(new), freqs, row.prelude)  # (1, t, dim)
+    x = model.prelude(model.embed(ids, pos), freqs, row.prelude)  # (1, t, dim)
     row.states.append(x)
     x = model.residual_proj(x) + _close_segments(model, cache, row, ids, t)
     return model.lm_head(model.norm(model.coda(x, freqs, row.coda)))

@@ -2,7 +2,7 @@
 
 ``forward(input_ids (B, T), labels (B, T) | None, n_loops | None) -> SpiderOutput``:
 
-1. ``embed_tokens`` -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
+1. ``embed_tokens`` (plus hashed byte n-grams, ``byte_ngram_orders``) -> ``prelude`` (dense MLA + SwiGLU blocks over bytes, RoPE by byte position)
 2. the :class:`~spider_titan.models.spider.segmentation.Chunker`: ``boundary_predictor`` logits ->
    segments (one rule in training and eval) -> chunk vectors (B, S, dim) and their Engram bucket ids
 3. ``core`` (recurrent MoE blocks, recurrence.py) on the batch's real segments, packed into one row
@@ -41,6 +41,7 @@ from spider_titan.models.common import PreNormBlock, default_init_std, depth_sca
 from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, SPIDER_RETIRED_ARGS, SpiderArgs
 from spider_titan.models.spider.attention import MLA, PackedRows
 from spider_titan.models.spider.calibration import calibrate_extra_loops, effective_loops
+from spider_titan.models.spider.engram import ByteNgrams
 from spider_titan.models.spider.flops import spider_flops_per_byte
 from spider_titan.models.spider.recurrence import RecurrentCore, sample_depth_scale, sample_loops
 from spider_titan.models.spider.segmentation import BoundaryPredictor, Chunker
@@ -83,6 +84,9 @@ class Spider(nn.Module):
         self.args = args
         self.chunker = Chunker(args)
         self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
+        self.byte_ngrams = (
+            ByteNgrams(args.byte_ngram_orders, args.byte_ngram_buckets, args.dim) if args.byte_ngram_orders else None
+        )
         self.prelude = ByteStack(args, args.n_prelude)
         self.boundary_predictor = BoundaryPredictor(args.dim, args.boundary_width) if args.learned_segments else None
         self.core = RecurrentCore(args)
@@ -99,6 +103,8 @@ class Spider(nn.Module):
         init_std = default_init_std(a.dim)
         byte_std = depth_scaled_std(a.n_prelude + a.n_coda)
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        if self.byte_ngrams is not None:
+            self.byte_ngrams.init_weights()
         for block in list(self.prelude.layers) + list(self.coda.layers):
             block.init_weights(init_std, byte_std)
         if self.boundary_predictor is not None:
@@ -109,13 +115,19 @@ class Spider(nn.Module):
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.lm_head.weight, std=a.dim**-0.5)
 
+    def embed(self, input_ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Embeddings (B, T - first, dim) of the bytes ``input_ids[:, first:]``, each plus its hashed
+        n-grams (``byte_ngram_orders``), which read the bytes before ``first`` too."""
+        x = self.embed_tokens(input_ids[:, first:])
+        return x if self.byte_ngrams is None else x + self.byte_ngrams(input_ids, first).to(x.dtype)
+
     def byte_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prelude's byte states (B, T, dim) of ``input_ids``: what the boundary predictor reads
         (scripts/segment_capacity.py and the GPU harness segment with them, without the core)."""
         freqs = rope_frequencies(
             self.args.qk_rope_head_dim, input_ids.shape[1], self.args.rope_theta, device=input_ids.device
         )
-        return self.prelude(self.embed_tokens(input_ids), freqs)
+        return self.prelude(self.embed(input_ids), freqs)
 
     def forward(
         self,
@@ -143,7 +155,7 @@ class Spider(nn.Module):
 
         # Named ranges (the profiler's "spider.*", scripts/bench_gpu.py): where a step's time goes.
         with record_function("spider.byte_blocks"):
-            x = self.prelude(self.embed_tokens(input_ids), freqs)  # (B, T, dim)
+            x = self.prelude(self.embed(input_ids), freqs)  # (B, T, dim)
         chunker = self.chunker
         with record_function("spider.segmentation"):
             capacity = chunker.capacity(T)
@@ -239,7 +251,7 @@ def parameter_breakdown(model: Spider) -> dict[str, int]:
     """Parameter counts by part (docs/model.md's breakdown), plus ``total``."""
     parts = {"dense blocks": 0, "core blocks": 0, "engram": 0, "lora": 0, "rest": 0}
     for name, p in model.named_parameters():
-        if ".engram." in name:
+        if ".engram." in name or name.startswith("byte_ngrams."):
             key = "engram"
         elif ".lora." in name:
             key = "lora"
