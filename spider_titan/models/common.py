@@ -135,3 +135,55 @@ def default_init_std(dim: int) -> float:
 def depth_scaled_std(n_layers: int) -> float:
     """Std for residual output projections, scaled by depth (GPT-2: 0.02 / sqrt(2 * n_layers))."""
     return 0.02 / math.sqrt(2 * max(1, n_layers))
+
+
+# Integer hashing of bytes, identical on every device: a polynomial in HASH_BASE modulo the Mersenne prime
+# HASH_PRIME (every product of two residues fits in int64), buckets by ``(h * mix + add) mod P mod n``.
+HASH_PRIME = 2**31 - 1
+HASH_BASE = 1_000_003
+HASH_MIX = 1_103_515_245
+HASH_ADD = 12_345
+
+
+def byte_ngram_problems(orders: list[int]) -> list[str]:
+    """The rule of a model's ``byte_ngram_orders``, one line when broken (the args' ``validate``)."""
+    if all(n >= 2 for n in orders) and len(set(orders)) == len(orders):
+        return []
+    return [f"byte_ngram_orders: {orders}: give distinct lengths of at least 2 (length 1 is the byte embedding itself)"]
+
+
+class ByteNgrams(nn.Module):
+    """Hashed byte n-gram embeddings (BLT, Pagnoni et al. 2024), added to the byte embeddings.
+
+    ``forward(input_ids (B, T), first) -> (B, T - first, dim)``: for each byte from ``first`` on, the
+    sum over ``orders`` of a row of that order's table, keyed by a hash of the n bytes ending at the byte
+    (bytes before the row's start hash as 0). Tables start at zero; the hash reads no later byte."""
+
+    def __init__(self, orders: list[int], n_buckets: int, dim: int):
+        super().__init__()
+        self.orders = sorted(orders)
+        self.n_buckets = n_buckets
+        self.tables = nn.ModuleList(nn.Embedding(n_buckets, dim) for _ in self.orders)
+
+    def bucket_ids(self, input_ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """(B, T - first, len(orders)) int64 bucket ids of the bytes ``input_ids[:, first:]``."""
+        span = self.orders[-1] - 1  # bytes before a byte that its longest n-gram reads
+        lo = max(first - span, 0)
+        src = F.pad(input_ids[:, lo:].long() + 1, (span - (first - lo), 0))  # src[:, k] = byte first - span + k
+        T = input_ids.shape[1] - first
+        h = torch.zeros_like(src[:, :T])
+        out = []
+        for j in range(self.orders[-1]):  # h: the hash of the j + 1 bytes ending at each byte
+            h = (h + src[:, span - j : span - j + T] * pow(HASH_BASE, j, HASH_PRIME)) % HASH_PRIME
+            if j + 1 in self.orders:
+                mix = HASH_MIX * (j + 2) % HASH_PRIME
+                out.append((h * mix + HASH_ADD + j) % HASH_PRIME % self.n_buckets)
+        return torch.stack(out, dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        ids = self.bucket_ids(input_ids, first)
+        return sum(table(ids[..., i]) for i, table in enumerate(self.tables))
+
+    def init_weights(self) -> None:
+        for table in self.tables:
+            nn.init.zeros_(table.weight)

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from spider_titan.models.common import ByteNgrams
 from spider_titan.models.spider import SPIDER_FLAVORS, Spider
 from spider_titan.models.spider import engram as engram_mod
 from spider_titan.models.spider import segmentation as seg_mod
@@ -114,7 +115,7 @@ BOUNDARY_CONFIGS = {
 # Per-segment depth (recurrence.DepthRouter) under both conventions: 3 loops, the last two routed.
 DEPTH = {"n_loops": 3, "depth_capacity": [0.5, 0.5, 0.5]}
 DEPTH_CONFIGS = {"depth_first": {"chunk_convention": "first", **DEPTH}, "depth_mean": {**MEAN_PATH, **DEPTH}}
-# Hashed byte n-grams at the input (engram.ByteNgrams), under both conventions
+# Hashed byte n-grams at the input (models.common.ByteNgrams), under both conventions
 NGRAMS = {"byte_ngram_orders": [2, 3, 6]}
 NGRAM_CONFIGS = {"ngrams_first": {"chunk_convention": "first", **NGRAMS}, "ngrams_mean": {**MEAN_PATH, **NGRAMS}}
 
@@ -174,9 +175,9 @@ def test_causality_check_catches_byte_ngrams_that_read_the_next_byte(monkeypatch
     model = build(seed=1, **NGRAM_CONFIGS[f"ngrams_{convention}"])
     randomize_engram_tables(model)
     open_residual(model)
-    own = engram_mod.ByteNgrams.bucket_ids
+    own = ByteNgrams.bucket_ids
     monkeypatch.setattr(
-        engram_mod.ByteNgrams, "bucket_ids", lambda self, ids, first=0: _pad(own(self, ids, first)[:, 1:], (0, 0, 0, 1))
+        ByteNgrams, "bucket_ids", lambda self, ids, first=0: _pad(own(self, ids, first)[:, 1:], (0, 0, 0, 1))
     )
     gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
     assert max(before for _, before, _ in gaps) > 1e-3
@@ -328,10 +329,12 @@ def test_engram_hash_matches_reference():
 def test_byte_ngram_hash_matches_reference():
     """Order n's bucket at byte p is a hash of bytes p-n+1..p alone (0 before the row's start), the same
     n-gram gets the same bucket anywhere, and a window from ``first`` gives the whole row's buckets there."""
-    P, BASE = engram_mod._P, engram_mod._BASE
+    from spider_titan.models import common
+
+    P, BASE = common.HASH_PRIME, common.HASH_BASE
     g = torch.Generator().manual_seed(6)
     orders, n_buckets = [2, 3, 5], 1000
-    ngrams = engram_mod.ByteNgrams(orders, n_buckets, dim=4)
+    ngrams = common.ByteNgrams(orders, n_buckets, dim=4)
     ids = torch.randint(0, 272, (2, 40), generator=g)
     ids[1, 20:26] = ids[1, 4:10]  # a repeated 6-gram
     got = ngrams.bucket_ids(ids)
@@ -340,7 +343,7 @@ def test_byte_ngram_hash_matches_reference():
         for p in range(40):
             for i, n in enumerate(orders):
                 h = sum((ids[b, p - j].item() + 1 if p >= j else 0) * pow(BASE, j, P) for j in range(n)) % P
-                want = (h * (engram_mod._MIX[0] * (n + 1) % P) + engram_mod._ADD[0] + n - 1) % P % n_buckets
+                want = (h * (common.HASH_MIX * (n + 1) % P) + common.HASH_ADD + n - 1) % P % n_buckets
                 assert got[b, p, i].item() == want, (b, p, n)
     assert torch.equal(got[1, 25], got[1, 9])  # every order of the repeated 6-gram's last byte
     for first in (0, 1, 3, 4, 17, 39):

@@ -7,12 +7,20 @@ Pre-RMSNorm blocks of grouped-query causal attention (RoPE, SDPA) and a SwiGLU M
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from spider_titan.models.common import PreNormBlock, apply_rope, causal_sdpa, depth_scaled_std, rope_frequencies
+from spider_titan.models.common import (
+    ByteNgrams,
+    PreNormBlock,
+    apply_rope,
+    byte_ngram_problems,
+    causal_sdpa,
+    depth_scaled_std,
+    rope_frequencies,
+)
 from spider_titan.protocol import ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import VOCAB_SIZE
 
@@ -35,6 +43,10 @@ class DenseArgs:
     """RoPE base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    byte_ngram_orders: list[int] = field(default_factory=list)
+    """n-gram lengths (each >= 2) whose hashed embedding tables add to each byte's embedding (BLT); empty: none."""
+    byte_ngram_buckets: int = 8192
+    """Rows of each byte n-gram table (one table of ``dim`` columns per order)."""
 
     def validate(self) -> list[str]:
         out = []
@@ -44,7 +56,7 @@ class DenseArgs:
             out.append(f"dim / n_heads = {self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             out.append(f"n_kv_heads: {self.n_kv_heads} must divide n_heads ({self.n_heads})")
-        return out
+        return out + byte_ngram_problems(self.byte_ngram_orders)
 
 
 DENSE_FLAVORS = {
@@ -88,6 +100,9 @@ class DenseModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
+        self.byte_ngrams = (
+            ByteNgrams(args.byte_ngram_orders, args.byte_ngram_buckets, args.dim) if args.byte_ngram_orders else None
+        )
         self.layers = nn.ModuleList(
             PreNormBlock(Attention(args), args.dim, args.inter_dim, args.norm_eps) for _ in range(args.n_layers)
         )
@@ -103,6 +118,8 @@ class DenseModel(nn.Module):
         with torch.device(self.embed_tokens.weight.device):
             self.freqs = self._freqs()
         nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        if self.byte_ngrams is not None:
+            self.byte_ngrams.init_weights()
         out_std = depth_scaled_std(self.args.n_layers)
         for block in self.layers:
             block.init_weights(0.02, out_std)
@@ -117,6 +134,8 @@ class DenseModel(nn.Module):
         if t > self.args.max_seq_len:
             raise ValueError(f"sequence length {t} > max_seq_len {self.args.max_seq_len}; raise model.max_seq_len")
         h = self.embed_tokens(input_ids)
+        if self.byte_ngrams is not None:
+            h = h + self.byte_ngrams(input_ids).to(h.dtype)
         freqs = self.freqs[:t]
         for block in self.layers:
             h = block(h, freqs)
@@ -152,4 +171,5 @@ DENSE_SPEC = ModelSpec(
     block_containers=("layers",),
     flops_per_token=dense_flops_per_token,
     float8_skip_fqns=("lm_head",),  # the output projection stays high precision
+    added_args={"byte_ngram_orders": [], "byte_ngram_buckets": 8192},
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from spider_titan.job_config import ranged
+from spider_titan.models.common import byte_ngram_problems
 
 
 @dataclass
@@ -55,7 +56,7 @@ class SpiderArgs:
     engram_dim: int = ranged(32, low=1)
     """Width of each Engram table row; the two lookups are concatenated (2 * engram_dim)."""
 
-    # ---- byte n-grams (hashed embeddings at the input, engram.ByteNgrams)
+    # ---- byte n-grams (hashed embeddings at the input, models.common.ByteNgrams)
     byte_ngram_orders: list[int] = field(default_factory=list)
     """n-gram lengths (each >= 2) whose hashed embedding tables add to each byte's embedding (BLT); empty: none."""
     byte_ngram_buckets: int = ranged(8192, low=1)
@@ -161,11 +162,7 @@ class SpiderArgs:
                 f"dim ({self.dim}) and moe_inter_dim ({self.moe_inter_dim}) must be multiples of 8 "
                 "(grouped GEMM needs 16-byte aligned rows)"
             )
-        if any(n < 2 for n in self.byte_ngram_orders) or len(set(self.byte_ngram_orders)) < len(self.byte_ngram_orders):
-            out.append(
-                f"byte_ngram_orders: {self.byte_ngram_orders}: give distinct lengths of at least 2 (length 1 is "
-                "the byte embedding itself)"
-            )
+        out += byte_ngram_problems(self.byte_ngram_orders)
         bad = [j for j in self.engram_layers if not 0 <= j < self.n_core]
         if bad:
             out.append(f"engram_layers: {bad} are not core block indices 0..{self.n_core - 1}")

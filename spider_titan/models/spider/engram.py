@@ -21,9 +21,7 @@ an int64 prefix sum at the segment ends (exact, deterministic, no scatter).
 is ``((h * MIX + ADD) mod P) mod engram_buckets``, with different MIX constants per table. A
 segment's hashes depend only on its own bytes and the previous segment's, never on later bytes.
 
-:class:`ByteNgrams` is the byte-level sibling (BLT's hash n-gram embeddings, Pagnoni et al. 2024): for
-each order n, a table row keyed by the same polynomial hash of the n bytes ending at a byte (the row's
-start counting as byte 0), added to the byte's embedding before the prelude.
+``models.common.ByteNgrams`` is the byte-level sibling (BLT's hash n-gram embeddings) on the same hash.
 """
 
 from __future__ import annotations
@@ -34,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_P = 2**31 - 1
-_BASE = 1_000_003
+from spider_titan.models.common import HASH_ADD, HASH_BASE, HASH_MIX, HASH_PRIME
+
+_P, _BASE = HASH_PRIME, HASH_BASE
 _PAIR = 1_000_000_007 % _P
-_MIX = (1_103_515_245, 2_654_435_761 % _P)
-_ADD = (12_345, 40_503)
+_MIX = (HASH_MIX, 2_654_435_761 % _P)
+_ADD = (HASH_ADD, 40_503)
 
 
 def _pow_mod(base: int, exp: torch.Tensor, max_exp: int) -> torch.Tensor:
@@ -99,38 +98,3 @@ class Engram(nn.Module):
         nn.init.trunc_normal_(self.value_proj.weight, std=out_std)
         self.query_norm.reset_parameters()
         self.key_norm.reset_parameters()
-
-
-class ByteNgrams(nn.Module):
-    """``forward(input_ids (B, T), first) -> (B, T - first, dim)``: for each byte from ``first`` on, the
-    sum over ``orders`` of a row of that order's table, keyed by a hash of the n bytes ending at the byte
-    (bytes before the row's start hash as 0). Tables start at zero; the hash reads no later byte."""
-
-    def __init__(self, orders: list[int], n_buckets: int, dim: int):
-        super().__init__()
-        self.orders = sorted(orders)
-        self.n_buckets = n_buckets
-        self.tables = nn.ModuleList(nn.Embedding(n_buckets, dim) for _ in self.orders)
-
-    def bucket_ids(self, input_ids: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """(B, T - first, len(orders)) int64 bucket ids of the bytes ``input_ids[:, first:]``."""
-        span = self.orders[-1] - 1  # bytes before a byte that its longest n-gram reads
-        lo = max(first - span, 0)
-        src = F.pad(input_ids[:, lo:].long() + 1, (span - (first - lo), 0))  # src[:, k] = byte first - span + k
-        T = input_ids.shape[1] - first
-        h = torch.zeros_like(src[:, :T])
-        out = []
-        for j in range(self.orders[-1]):  # h: the hash of the j + 1 bytes ending at each byte
-            h = (h + src[:, span - j : span - j + T] * pow(_BASE, j, _P)) % _P
-            if j + 1 in self.orders:
-                mix = (_MIX[0] * (j + 2)) % _P
-                out.append((h * mix + _ADD[0] + j) % _P % self.n_buckets)
-        return torch.stack(out, dim=-1)
-
-    def forward(self, input_ids: torch.Tensor, first: int = 0) -> torch.Tensor:
-        ids = self.bucket_ids(input_ids, first)
-        return sum(table(ids[..., i]) for i, table in enumerate(self.tables))
-
-    def init_weights(self) -> None:
-        for table in self.tables:
-            nn.init.zeros_(table.weight)

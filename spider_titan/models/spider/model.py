@@ -37,11 +37,10 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from spider_titan.models.common import PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
+from spider_titan.models.common import ByteNgrams, PreNormBlock, default_init_std, depth_scaled_std, rope_frequencies
 from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, SPIDER_RETIRED_ARGS, SpiderArgs
 from spider_titan.models.spider.attention import MLA, PackedRows
 from spider_titan.models.spider.calibration import calibrate_extra_loops, effective_loops
-from spider_titan.models.spider.engram import ByteNgrams
 from spider_titan.models.spider.flops import spider_flops_per_byte
 from spider_titan.models.spider.recurrence import RecurrentCore, sample_depth_scale, sample_loops
 from spider_titan.models.spider.segmentation import BoundaryPredictor, Chunker
