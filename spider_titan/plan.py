@@ -553,6 +553,9 @@ class _OneOp:
         return out
 
 
+_PASSED = object()  # CompiledSaves: a tensor argument, passed to the trace (the others are bound)
+
+
 class CompiledSaves(nn.Module):
     """Runs ``block`` as torch.compile partitions it for backward: AOT autograd with Inductor's
     decompositions and its min-cut partitioner (Inductor recomputes cheap ops in backward instead of
@@ -600,9 +603,9 @@ class CompiledSaves(nn.Module):
         run._boxed_call = True
         return run
 
-    def _call(self, present: tuple[bool, ...], weights, *args, **kwargs):
+    def _call(self, bound: tuple, weights, *args, **kwargs):
         given = iter(args)
-        args = tuple(next(given) if there else None for there in present)
+        args = tuple(next(given) if b is _PASSED else b for b in bound)
         return torch.func.functional_call(self.block, weights, args, kwargs)
 
     def forward(self, *args, **kwargs):
@@ -611,16 +614,17 @@ class CompiledSaves(nn.Module):
         from torch._inductor.decomposition import select_decomp_table
 
         weights = {**dict(self.block.named_parameters()), **dict(self.block.named_buffers())}
-        # AOT makes a graph input of a None argument too (a core block's Engram memory), one without a
-        # value that the budget partitioner cannot size: the Nones are bound, the rest passed
-        present = tuple(a is not None for a in args)
-        args = tuple(a for a in args if a is not None)
+        # AOT makes a graph input of every argument, a None (a core block's Engram memory) or a number (the
+        # byte n-grams' first byte) too, one without a value that the budget partitioner cannot size: those
+        # are bound, the tensors passed
+        bound = tuple(_PASSED if isinstance(a, torch.Tensor) else a for a in args)
+        args = tuple(a for a in args if isinstance(a, torch.Tensor))
         leaves = tree_flatten((args, kwargs, weights))[0]
-        key = (type(self.block), present, *weights, *(_signature(t) for t in leaves))
+        key = (type(self.block), repr(bound), *weights, *(_signature(t) for t in leaves))
         fn = self.traced.get(key)
         if fn is None:
             fn = self.traced[key] = aot_function(
-                functools.partial(self._call, present),
+                functools.partial(self._call, bound),
                 fw_compiler=self._as_one_op,
                 bw_compiler=self._as_one_op,
                 partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),

@@ -159,11 +159,13 @@ def test_learned_segmentation_is_planned_at_the_target_rate():
     assert gpu.bytes < planned.bytes
 
 
-def test_spider_is_planned_under_a_memory_budget():
+@pytest.mark.parametrize("ngrams", [[], [3, 4]], ids=["plain", "byte_ngrams"])
+def test_spider_is_planned_under_a_memory_budget(ngrams):
     """Under a compiled memory budget the trainer saves the MoE top-k in a selective-checkpoint region
     (MoE.save_selection), which the plan's AOT traces cannot number (the partitioner failed on it); the
-    plan recomputes it, and plans the budget: fewer bytes saved than unchecked, more FLOPs."""
-    argv = ["--model.name", "spider", "--training.compile", "true"]
+    plan recomputes it, and plans the budget: fewer bytes saved than unchecked, more FLOPs. Byte n-grams
+    are compiled glue called with a number (their first byte), which the partitioner could not size either."""
+    argv = ["--model.name", "spider", "--training.compile", "true", "--model.byte_ngram_orders", str(ngrams)]
 
     def planned(*ac):
         cfg = parse_args([*argv, "--activation_checkpoint.mode", *ac], env={})
