@@ -248,10 +248,12 @@ class Spider(nn.Module):
 
 def parameter_breakdown(model: Spider) -> dict[str, int]:
     """Parameter counts by part (docs/model.md's breakdown), plus ``total``."""
-    parts = {"dense blocks": 0, "core blocks": 0, "engram": 0, "lora": 0, "rest": 0}
+    parts = {"dense blocks": 0, "core blocks": 0, "engram": 0, "byte n-grams": 0, "lora": 0, "rest": 0}
     for name, p in model.named_parameters():
-        if ".engram." in name or name.startswith("byte_ngrams."):
+        if ".engram." in name:
             key = "engram"
+        elif name.startswith("byte_ngrams."):
+            key = "byte n-grams"
         elif ".lora." in name:
             key = "lora"
         elif name.startswith(("prelude.layers.", "coda.layers.")):
