@@ -456,12 +456,12 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
 
 def run_overrides(args, run: Run | None = None) -> list[str]:
     """The trainer overrides every run of one invocation shares: corpus, flavor and seed, then
-    ``--spider-set`` for a Spider ``run``."""
+    ``--spider-set`` for a Spider ``run`` or ``--dense-set`` for a dense one."""
     data = (
         ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
     )
-    spider = shlex.split(args.spider_set) if run is not None and run.config == SPIDER_CONFIG else []
-    return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed), *spider]
+    own = {SPIDER_CONFIG: args.spider_set, DENSE_CONFIG: args.dense_set}.get(run.config, "") if run else ""
+    return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed), *shlex.split(own)]
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -511,6 +511,7 @@ def arg_parser() -> argparse.ArgumentParser:
         help="trainer overrides added to every Spider run after its own, e.g. "
         "--spider-set='--model.n_experts 16 --model.top_k 4' (the dense runs do not get them)",
     )
+    p.add_argument("--dense-set", default="", help="the same for every dense run (the Spider runs do not get them)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
     p.add_argument("--plot-to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
@@ -540,8 +541,9 @@ def main(argv: list[str] | None = None) -> None:
             results = list(pool.map(lambda r: run_one(r, args), runs))
     summaries = [summarise(r) for r in results]
     md = table(summaries)
-    if args.spider_set:
-        md = f"Spider runs with `{args.spider_set}`.\n\n{md}"
+    for kind, extra in (("Spider", args.spider_set), ("Dense", args.dense_set)):
+        if extra:
+            md = f"{kind} runs with `{extra}`.\n\n{md}"
     (out / "quality.md").write_text(md + "\n")
     (out / "quality.json").write_text(json.dumps(summaries, indent=1))
     corpus = Path(args.data).name if args.data else "built-in corpus"

@@ -145,11 +145,17 @@ HASH_MIX = 1_103_515_245
 HASH_ADD = 12_345
 
 
-def byte_ngram_problems(orders: list[int]) -> list[str]:
-    """The rule of a model's ``byte_ngram_orders``, one line when broken (the args' ``validate``)."""
-    if all(n >= 2 for n in orders) and len(set(orders)) == len(orders):
-        return []
-    return [f"byte_ngram_orders: {orders}: give distinct lengths of at least 2 (length 1 is the byte embedding itself)"]
+def byte_ngram_problems(orders: list[int], lr: float = 1.0) -> list[str]:
+    """The rules of a model's ``byte_ngram_orders`` and ``byte_ngram_lr``, one line each broken (the args'
+    ``validate``)."""
+    out = []
+    if not (all(n >= 2 for n in orders) and len(set(orders)) == len(orders)):
+        out.append(
+            f"byte_ngram_orders: {orders}: give distinct lengths of at least 2 (length 1 is the byte embedding itself)"
+        )
+    if not 0 < lr < float("inf"):
+        out.append(f"byte_ngram_lr: {lr} must be a finite number > 0")
+    return out
 
 
 class ByteNgrams(nn.Module):
@@ -157,10 +163,13 @@ class ByteNgrams(nn.Module):
 
     ``forward(input_ids (B, T), first) -> (B, T - first, dim)``: for each byte from ``first`` on, the
     sum over ``orders`` of a row of that order's table, keyed by a hash of the n bytes ending at the byte
-    (bytes before the row's start hash as 0). Tables start at zero; the hash reads no later byte."""
+    (bytes before the row's start hash as 0). Tables start at zero; the hash reads no later byte.
+    ``lr_multiplier``: the tables' learning rate over the model's (optim.optimizers reads it): a row gets a
+    gradient only in the steps whose bytes hit it."""
 
-    def __init__(self, orders: list[int], n_buckets: int, dim: int):
+    def __init__(self, orders: list[int], n_buckets: int, dim: int, lr_multiplier: float = 1.0):
         super().__init__()
+        self.lr_multiplier = lr_multiplier
         self.orders = sorted(orders)
         self.n_buckets = n_buckets
         self.tables = nn.ModuleList(nn.Embedding(n_buckets, dim) for _ in self.orders)

@@ -7,7 +7,8 @@ Per-module learning rates (``optimizer.lr_multipliers``, entries ``PREFIX=FACTOR
 whose FQN is PREFIX or starts with ``PREFIX.`` trains at ``FACTOR x lr`` (the longest matching
 prefix wins; ``*`` matches every parameter no other entry does). This is H-Net's per-stage
 learning rate (goombalab/hnet ``utils/train.py``: outer, byte-level stages higher), e.g. for
-Spider ``["*=2", "core=1"]``. Each (decayed?, factor) pair is one parameter group with its own
+Spider ``["*=2", "core=1"]``. A module may carry its own ``lr_multiplier`` (the byte n-gram tables': a
+model argument), which multiplies the factor of every parameter it holds. Each (decayed?, factor) pair is one parameter group with its own
 ``lr``; the LR scheduler scales every group's initial lr, and the groups come out in the same
 order for the same model and config, so a checkpoint resumes into the same groups.
 """
@@ -74,7 +75,18 @@ def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float, lr_multipliers: list[str] = ()) -> list[dict]:
     """Decayed matrices and everything else, each split by learning-rate factor (module docstring)."""
-    return _groups(_named_trainable(model), weight_decay, lr, _rules(model, lr_multipliers))
+    return _groups(_named_trainable(model), weight_decay, lr, _rules(model, lr_multipliers), module_lr_factors(model))
+
+
+def module_lr_factors(model: nn.Module) -> dict[str, float]:
+    """Parameter FQN -> the product of the ``lr_multiplier`` of the modules holding it, where one is not 1."""
+    factors: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        factor = getattr(module, "lr_multiplier", 1.0)
+        if factor != 1.0:
+            for name, _ in module.named_parameters(prefix=prefix):
+                factors[name] = factors.get(name, 1.0) * factor
+    return factors
 
 
 def _rules(model: nn.Module, entries: list[str]) -> dict[str, float]:
@@ -98,12 +110,13 @@ def unmatched_prefixes(rules: dict[str, float], names: list[str]) -> list[str]:
     ]
 
 
-def _groups(named_params, weight_decay: float, lr: float, rules: dict[str, float]) -> list[dict]:
-    """One group per (decayed?, lr factor); without rules exactly two: decayed, then not decayed."""
-    buckets: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []} if not rules else {}
+def _groups(named_params, weight_decay: float, lr: float, rules: dict[str, float], own: dict[str, float]) -> list[dict]:
+    """One group per (decayed?, lr factor); without rules or modules' own factors exactly two: decayed,
+    then not decayed. ``own``: module_lr_factors."""
+    buckets: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []} if not (rules or own) else {}
     for name, p in named_params:
         decay = p.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES)
-        buckets.setdefault((decay, lr_factor(name, rules)), []).append(p)
+        buckets.setdefault((decay, lr_factor(name, rules) * own.get(name, 1.0)), []).append(p)
     return [
         {"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr": lr * factor}
         for (decay, factor), ps in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
@@ -148,7 +161,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig):
-        rules = _rules(model, cfg.lr_multipliers)
+        rules, own = _rules(model, cfg.lr_multipliers), module_lr_factors(model)
         muon_named, adam_named = [], []
         for name, p in _named_trainable(model):
             if p.ndim == 2 and not any(n in name for n in _NO_DECAY_NAMES + ("lm_head",)):
@@ -157,10 +170,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 adam_named.append((name, p))
         muon_factors: dict[float, list] = {}
         for name, p in muon_named:
-            muon_factors.setdefault(lr_factor(name, rules), []).append(p)
+            muon_factors.setdefault(lr_factor(name, rules) * own.get(name, 1.0), []).append(p)
         muon_groups = [{"params": ps, "lr": cfg.muon_lr * f} for f, ps in sorted(muon_factors.items())]
         self.muon = torch.optim.Muon(muon_groups, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
-        self.adamw = _adamw(_groups(adam_named, cfg.weight_decay, cfg.lr, rules), cfg)
+        self.adamw = _adamw(_groups(adam_named, cfg.weight_decay, cfg.lr, rules, own), cfg)
         # Not Optimizer.__init__: the groups and state belong to the two inner optimizers; this
         # object only exposes them (the LR scheduler scales every group's lr).
         self.defaults = {}

@@ -186,9 +186,9 @@ def test_loops_histogram_from_the_shares_of_each_loop(monkeypatch):
     ).loops_histogram({})
 
 
-def test_spider_set_reaches_the_spider_runs_only(monkeypatch):
+def test_spider_set_and_dense_set_reach_their_own_runs_only(monkeypatch):
     """--spider-set's overrides follow a Spider run's own (so they win over them) and leave the dense runs
-    alone (a model field Spider has would fail the dense config)."""
+    alone (a model field Spider has would fail the dense config); --dense-set the other way round."""
     from spider_titan.config.manager import parse_args
     from tests.utils import REPO
 
@@ -196,10 +196,13 @@ def test_spider_set_reaches_the_spider_runs_only(monkeypatch):
     monkeypatch.chdir(REPO)
     qb = importlib.import_module("quality_benchmark")
     runs = {r.name: r for r in qb.RUNS}
-    args = qb.arg_parser().parse_args(["--flavor", "small", "--spider-set=--model.n_experts 16 --model.top_k 4"])
+    args = qb.arg_parser().parse_args(
+        ["--flavor", "small", "--spider-set=--model.n_experts 16 --model.top_k 4", "--dense-set=--model.n_layers 3"]
+    )
     spider = qb.run_overrides(args, runs["spider_one_engram"])
     dense = qb.run_overrides(args, runs["dense"])
     assert spider[-4:] == ["--model.n_experts", "16", "--model.top_k", "4"] and "--model.n_experts" not in dense
+    assert dense[-2:] == ["--model.n_layers", "3"] and "--model.n_layers" not in spider
     cmd = qb.train_cmd(runs["spider_one_engram"], Path("d"), 10, spider, val_freq=None)
     cfg = parse_args(cmd[cmd.index("--job.config_file") :])
     assert cfg.model.overrides == {"n_experts": 16, "top_k": 4, "engram_layers": [1]}

@@ -270,6 +270,35 @@ def test_no_multipliers_keep_the_two_groups():
     assert all(g["lr"] == 1e-3 for g in opt.param_groups)
 
 
+@pytest.mark.parametrize("builder", [build_adamw, build_muon], ids=["adamw", "muon"])
+def test_the_ngram_tables_train_at_their_own_factor_times_the_rules(builder):
+    """byte_ngram_lr multiplies the tables' lr (and any lr_multipliers rule on top); on AdamW's first step
+    (the same gradients, no decay on tables) their update is exactly that factor times the plain one."""
+    ngrams = {"byte_ngram_orders": [2, 3]}
+    models = {lr: build(seed=1, byte_ngram_lr=lr, **ngrams) for lr in (1.0, 8.0)}
+    tables = {id(p) for p in models[8.0].byte_ngrams.parameters()}
+    cfg = OptimizerConfig(lr=1e-3, muon_lr=0.02, lr_multipliers=list(RULES))
+    opt = builder(models[8.0], cfg)
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    muon = (
+        {id(p) for g in getattr(opt, "muon", opt).param_groups for p in g["params"]} if builder is build_muon else set()
+    )
+    for name, p in models[8.0].named_parameters():
+        base = cfg.muon_lr if id(p) in muon else cfg.lr
+        want = base * expected_factor(name) * (8.0 if id(p) in tables else 1.0)
+        assert lr_of[id(p)] == pytest.approx(want), name
+    steps = {}
+    for lr, model in models.items():
+        before = [t.weight.detach().clone() for t in model.byte_ngrams.tables]
+        opt = build_adamw(model, OptimizerConfig(lr=1e-3))
+        ids = sample_ids(0)
+        model(ids, labels=torch.roll(ids, -1, dims=1)).loss.backward()
+        opt.step()
+        steps[lr] = torch.cat([(t.weight - b).flatten() for t, b in zip(model.byte_ngrams.tables, before)])
+    assert steps[1.0].abs().max() > 0
+    torch.testing.assert_close(steps[8.0], 8.0 * steps[1.0], rtol=1e-4, atol=1e-9)
+
+
 def test_lr_factor_sees_through_wrappers_and_prefers_the_longest_prefix():
     rules = {"*": 2.0, "core": 1.0, "core.layers.1": 0.5}
     assert lr_factor("core.layers.1._checkpoint_wrapped_module.attention.wq.weight", rules) == 0.5

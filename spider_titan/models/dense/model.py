@@ -47,6 +47,8 @@ class DenseArgs:
     """n-gram lengths (each >= 2) whose hashed embedding tables add to each byte's embedding (BLT); empty: none."""
     byte_ngram_buckets: int = 8192
     """Rows of each byte n-gram table (one table of ``dim`` columns per order)."""
+    byte_ngram_lr: float = 8.0
+    """The n-gram tables' learning rate over the optimizer's (as Spider's ``byte_ngram_lr``)."""
 
     def validate(self) -> list[str]:
         out = []
@@ -56,7 +58,7 @@ class DenseArgs:
             out.append(f"dim / n_heads = {self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             out.append(f"n_kv_heads: {self.n_kv_heads} must divide n_heads ({self.n_heads})")
-        return out + byte_ngram_problems(self.byte_ngram_orders)
+        return out + byte_ngram_problems(self.byte_ngram_orders, self.byte_ngram_lr)
 
 
 DENSE_FLAVORS = {
@@ -102,7 +104,9 @@ class DenseModel(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
         self.byte_ngrams = (
-            ByteNgrams(args.byte_ngram_orders, args.byte_ngram_buckets, args.dim) if args.byte_ngram_orders else None
+            ByteNgrams(args.byte_ngram_orders, args.byte_ngram_buckets, args.dim, args.byte_ngram_lr)
+            if args.byte_ngram_orders
+            else None
         )
         self.layers = nn.ModuleList(
             PreNormBlock(Attention(args), args.dim, args.inter_dim, args.norm_eps) for _ in range(args.n_layers)
@@ -172,5 +176,5 @@ DENSE_SPEC = ModelSpec(
     block_containers=("layers",),
     flops_per_token=dense_flops_per_token,
     float8_skip_fqns=("lm_head",),  # the output projection stays high precision
-    added_args={"byte_ngram_orders": [], "byte_ngram_buckets": 8192},
+    added_args={"byte_ngram_orders": [], "byte_ngram_buckets": 8192, "byte_ngram_lr": 1.0},
 )

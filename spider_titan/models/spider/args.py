@@ -61,6 +61,9 @@ class SpiderArgs:
     """n-gram lengths (each >= 2) whose hashed embedding tables add to each byte's embedding (BLT); empty: none."""
     byte_ngram_buckets: int = ranged(8192, low=1)
     """Rows of each byte n-gram table (one table of ``dim`` columns per order)."""
+    byte_ngram_lr: float = ranged(8.0, low=0, low_open=True)
+    """The n-gram tables' learning rate over the optimizer's (times any ``optimizer.lr_multipliers`` factor);
+    a row trains only in the steps whose bytes hit it (docs/experiments.md, "The n-gram tables' learning rate")."""
 
     # ---- recurrence
     n_loops: int = ranged(2, low=1)
@@ -233,6 +236,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "depth_scale_range": 1.0,
     "byte_ngram_orders": [],
     "byte_ngram_buckets": 8192,
+    "byte_ngram_lr": 1.0,
 }
 
 # Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code
@@ -267,7 +271,8 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~4x debug's training FLOPs per byte (4.1x at seq 256; 19.1 M parameters, 12.6 M of them byte n-gram
     # tables): the second scale of the quality study (docs/benchmarks.md), every width doubled, the structure
     # of debug kept, except an Engram in both core blocks with 8,192 buckets (-0.044 bpb, four paired runs;
-    # docs/experiments.md, "More Engram") and hashed byte n-grams of lengths 3-8 ("Byte n-grams").
+    # docs/experiments.md, "More Engram") and hashed byte n-grams of lengths 3-8 ("Byte n-grams"), their tables
+    # trained at 8x the learning rate (byte_ngram_lr, "The n-gram tables' learning rate").
     "small": SpiderArgs(
         boundary_dim=32,
         dim=256,

@@ -84,7 +84,9 @@ class Spider(nn.Module):
         self.chunker = Chunker(args)
         self.embed_tokens = nn.Embedding(VOCAB_SIZE, args.dim)
         self.byte_ngrams = (
-            ByteNgrams(args.byte_ngram_orders, args.byte_ngram_buckets, args.dim) if args.byte_ngram_orders else None
+            ByteNgrams(args.byte_ngram_orders, args.byte_ngram_buckets, args.dim, args.byte_ngram_lr)
+            if args.byte_ngram_orders
+            else None
         )
         self.prelude = ByteStack(args, args.n_prelude)
         self.boundary_predictor = BoundaryPredictor(args.dim, args.boundary_width) if args.learned_segments else None
