@@ -8,9 +8,10 @@ whose FQN is PREFIX or starts with ``PREFIX.`` trains at ``FACTOR x lr`` (the lo
 prefix wins; ``*`` matches every parameter no other entry does). This is H-Net's per-stage
 learning rate (goombalab/hnet ``utils/train.py``: outer, byte-level stages higher), e.g. for
 Spider ``["*=2", "core=1"]``. A module may carry its own ``lr_multiplier`` (the byte n-gram tables': a
-model argument), which multiplies the factor of every parameter it holds. Each (decayed?, factor) pair is one parameter group with its own
-``lr``; the LR scheduler scales every group's initial lr, and the groups come out in the same
-order for the same model and config, so a checkpoint resumes into the same groups.
+model argument), which multiplies the factor of every parameter it holds. Each (decayed?, factor) pair
+is one parameter group with its own ``lr``; the LR scheduler scales every group's initial lr, and the
+groups come out in the same order for the same model and config, so a checkpoint resumes into the same
+groups.
 """
 
 from __future__ import annotations
