@@ -84,8 +84,8 @@ TAIL_STEPS = ("--model.loop_sampling", "tail", "--model.backprop_loops", "2", "-
 # Rows of options that have left the model (the MLP predictor, ACT, the hinge loss, H-Net's path element by
 # element, ...) are in docs/experiments.md with the commit that ran them (e0e7ffe and before).
 RUNS = [
-    Run("spider", SPIDER_CONFIG, (), "Spider debug, shipped defaults"),
-    Run("dense", DENSE_CONFIG, (), "dense baseline, debug"),
+    Run("spider", SPIDER_CONFIG, (), "Spider, the flavor's shipped defaults"),
+    Run("dense", DENSE_CONFIG, (), "dense baseline, the flavor's defaults"),
     Run(
         "spider_fixed_segments",
         SPIDER_CONFIG,
