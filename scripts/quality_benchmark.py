@@ -96,7 +96,7 @@ RUNS = [
         "spider_fixed_stage_lr",
         SPIDER_CONFIG,
         (*FIXED, *STAGE_LR),
-        "fixed 4-byte segments with H-Net's per-stage learning rates (byte stages 2x)",
+        "fixed segments with H-Net's per-stage learning rates (byte stages 2x)",
     ),
     Run("spider_stage_lr", SPIDER_CONFIG, STAGE_LR, "shipped defaults with H-Net's per-stage learning rates"),
     Run("spider_no_first", SPIDER_CONFIG, ("--model.chunk_convention", "mean"), "learned segments, mean chunks"),

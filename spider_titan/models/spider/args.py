@@ -268,11 +268,12 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config. A narrow boundary predictor (docs/experiments.md,
     # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections.
     "debug": SpiderArgs(boundary_dim=32),
-    # ~4x debug's training FLOPs per byte (4.1x at seq 256; 31.7 M parameters, 25.2 M of them byte n-gram
-    # tables): the second scale of the quality study (docs/benchmarks.md), every width doubled, the structure
-    # of debug kept, except an Engram in both core blocks with 8,192 buckets (-0.044 bpb, four paired runs;
-    # docs/experiments.md, "More Engram") and hashed byte n-grams of lengths 3-8 ("Byte n-grams"), 16,384
-    # buckets each, their tables trained at 8x the learning rate ("The n-gram tables' learning rate").
+    # 3.8x debug's training FLOPs per byte (4.1x at debug's 4 bytes per segment; seq 256; 31.7 M parameters,
+    # 25.2 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md), every
+    # width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
+    # (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram"), hashed byte n-grams of lengths 3-8
+    # ("Byte n-grams"), 16,384 buckets each, their tables trained at 8x the learning rate ("The n-gram
+    # tables' learning rate"), and 6 bytes per segment (-0.013, four paired runs; "6 bytes per segment").
     "small": SpiderArgs(
         boundary_dim=32,
         dim=256,
@@ -287,6 +288,7 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         engram_dim=64,
         byte_ngram_orders=[3, 4, 5, 6, 7, 8],
         byte_ngram_buckets=16384,
+        target_bytes_per_segment=6.0,
     ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
