@@ -20,6 +20,7 @@ from spider_titan.models.common import (
     causal_sdpa,
     depth_scaled_std,
     rope_frequencies,
+    small_byte_ngrams,
 )
 from spider_titan.protocol import ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import VOCAB_SIZE
@@ -64,9 +65,8 @@ class DenseArgs:
 DENSE_FLAVORS = {
     "debug": DenseArgs(),
     # ~4x debug's training FLOPs per byte (4.07x at seq 256), the dense partner of Spider's "small", with
-    # the same hashed byte n-grams (lengths 3-8, 16,384 buckets each), so the two compare with the same input
-    # embeddings.
-    "small": DenseArgs(dim=256, inter_dim=832, byte_ngram_orders=[3, 4, 5, 6, 7, 8], byte_ngram_buckets=16384),
+    # the same hashed byte n-grams (``small_byte_ngrams``).
+    "small": DenseArgs(dim=256, inter_dim=832, **small_byte_ngrams()),
     # 22 blocks of (GQA 16/4 heads: 10.5 M) + (SwiGLU 5632: 34.6 M) = 992 M, + embeddings/head 1.1 M.
     "1B": DenseArgs(dim=2048, n_layers=22, n_heads=16, n_kv_heads=4, inter_dim=5632),
 }

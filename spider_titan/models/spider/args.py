@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from spider_titan.job_config import ranged
-from spider_titan.models.common import byte_ngram_problems
+from spider_titan.models.common import byte_ngram_problems, small_byte_ngrams
 
 
 @dataclass
@@ -286,9 +286,8 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         engram_layers=[0, 1],
         engram_buckets=8192,
         engram_dim=64,
-        byte_ngram_orders=[3, 4, 5, 6, 7, 8],
-        byte_ngram_buckets=16384,
         target_bytes_per_segment=6.0,
+        **small_byte_ngrams(),
     ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
