@@ -146,9 +146,9 @@ HASH_ADD = 12_345
 
 
 def small_byte_ngrams() -> dict:
-    """The ``small`` flavors' hashed byte n-grams (lengths 3-8, 16,384 buckets each), one setting for Spider and
+    """The ``small`` flavors' hashed byte n-grams (lengths 3-8, 32,768 buckets each), one setting for Spider and
     dense so that the two compare with the same input embeddings (docs/experiments.md, "Byte n-grams")."""
-    return {"byte_ngram_orders": [3, 4, 5, 6, 7, 8], "byte_ngram_buckets": 16384}
+    return {"byte_ngram_orders": [3, 4, 5, 6, 7, 8], "byte_ngram_buckets": 32768}
 
 
 def byte_ngram_problems(orders: list[int], lr: float = 1.0) -> list[str]:

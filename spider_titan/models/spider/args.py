@@ -268,12 +268,13 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config. A narrow boundary predictor (docs/experiments.md,
     # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections.
     "debug": SpiderArgs(boundary_dim=32),
-    # 3.8x debug's training FLOPs per byte (4.1x at debug's 4 bytes per segment; seq 256; 31.7 M parameters,
-    # 25.2 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md), every
+    # 3.8x debug's training FLOPs per byte (4.1x at debug's 4 bytes per segment; seq 256; 56.9 M parameters,
+    # 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md), every
     # width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
     # (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram"), hashed byte n-grams of lengths 3-8
-    # ("Byte n-grams"), 16,384 buckets each, their tables trained at 8x the learning rate ("The n-gram
-    # tables' learning rate"), and 6 bytes per segment (-0.013, four paired runs; "6 bytes per segment").
+    # (``small_byte_ngrams``: "Byte n-grams", "32,768 buckets"), their tables trained at 8x the learning rate
+    # ("The n-gram tables' learning rate"), and 6 bytes per segment (-0.013, four paired runs; "6 bytes per
+    # segment").
     "small": SpiderArgs(
         boundary_dim=32,
         dim=256,
