@@ -147,7 +147,8 @@ HASH_ADD = 12_345
 
 def small_byte_ngrams() -> dict:
     """The ``small`` flavors' hashed byte n-grams (lengths 3-8, 32,768 buckets each), one setting for Spider and
-    dense so that the two compare with the same input embeddings (docs/experiments.md, "Byte n-grams")."""
+    dense so that the two compare with the same input embeddings (docs/experiments.md, "Byte n-grams"; the
+    bucket count from "32,768 buckets as both `small` flavors' default")."""
     return {"byte_ngram_orders": [3, 4, 5, 6, 7, 8], "byte_ngram_buckets": 32768}
 
 
