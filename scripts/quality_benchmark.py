@@ -57,8 +57,11 @@ FIXED = ("--model.boundary_predictor", "fixed", "--model.chunk_convention", "mea
 NO_BAND = ("--model.boundary_band", "0")
 # The dead zone's pull alike on both edges (the shipped model pulls rows above the band 0.3 as hard)
 BOTH_EDGES = ("--model.boundary_band_upper", "1.0")
+# The depth recipes below train around two core loops (debug's default; `small` trains one since 2026-11-29)
+TWO_LOOPS = ("--model.n_loops", "2")
 # Geiping et al.'s recipe: loops sampled per step, backprop through the last loop, a random initial state
 SAMPLED_LOOPS = (
+    *TWO_LOOPS,
     "--model.loop_sampling",
     "poisson_lognormal",
     "--model.backprop_loops",
@@ -70,6 +73,7 @@ SAMPLED_LOOPS = (
 )
 # Sampled, time-invariant loops (no per-loop LoRA or loop embedding) with backprop through every loop, h_0 = 0
 INVARIANT_FULL = (
+    *TWO_LOOPS,
     "--model.loop_sampling",
     "poisson_lognormal",
     "--model.loop_lora",
@@ -79,7 +83,15 @@ INVARIANT_FULL = (
 )
 # A tenth of the steps at 2x the mean loops (and some at one loop, mean n_loops), the deep steps backpropagating
 # through their last n_loops loops, and a learned step size per loop
-TAIL_STEPS = ("--model.loop_sampling", "tail", "--model.backprop_loops", "2", "--model.loop_step_size", "true")
+TAIL_STEPS = (
+    *TWO_LOOPS,
+    "--model.loop_sampling",
+    "tail",
+    "--model.backprop_loops",
+    "2",
+    "--model.loop_step_size",
+    "true",
+)
 
 # Rows of options that have left the model (the MLP predictor, ACT, the hinge loss, H-Net's path element by
 # element, ...) are in docs/experiments.md with the commit that ran them (e0e7ffe and before).
@@ -143,12 +155,13 @@ RUNS = [
         "the balancing loss and the selection bias together (the 1B configs' setting)",
     ),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
-    Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence)"),
+    Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence): small's default"),
+    Run("spider_loops2", SPIDER_CONFIG, TWO_LOOPS, "two core loops: debug's default, small's until 2026-11-29"),
     Run(
         "spider_tail_steps",
         SPIDER_CONFIG,
         TAIL_STEPS,
-        "shipped defaults trained at 2x the mean loops on a tenth of the steps, with a learned step size per loop",
+        "2 loops, trained at 2x the mean loops on a tenth of the steps, with a learned step size per loop",
     ),
     Run(
         "spider_sampled_loops",
@@ -185,6 +198,7 @@ RUNS = [
         "spider_depth_tail",
         SPIDER_CONFIG,
         (
+            *TWO_LOOPS,
             "--model.depth_capacity",
             "[0.5, 0.25, 0.25]",
             "--model.loop_sampling",
@@ -192,13 +206,13 @@ RUNS = [
             "--model.loop_step_size",
             "true",
         ),
-        "shipped 2 loops, per-segment depth on shares 1/2, 1/4, 1/4, a tenth of the steps at 4 loops (full "
+        "2 loops, per-segment depth on shares 1/2, 1/4, 1/4, a tenth of the steps at 4 loops (full "
         "backprop), a learned step size per loop",
     ),
     Run(
         "spider_tail_full",
         SPIDER_CONFIG,
-        ("--model.loop_sampling", "tail", "--model.loop_step_size", "true"),
+        (*TWO_LOOPS, "--model.loop_sampling", "tail", "--model.loop_step_size", "true"),
         "spider_depth_tail's control: the same tail sampling and step sizes, every segment every loop",
     ),
     Run(

@@ -59,8 +59,9 @@ def test_bad_cell_spec_is_one_line(main):
 
 
 def test_every_benchmark_row_is_a_valid_config(monkeypatch):
-    """Each row of quality_benchmark.RUNS parses and validates as the trainer would read it (a row
-    naming an option the model no longer has would fail only hours into a study)."""
+    """Each row of quality_benchmark.RUNS parses and validates as the trainer would read it, at both study
+    flavors (a row naming an option the model no longer has, or one that needs a loop count a flavor does
+    not train, would fail only hours into a study)."""
     from spider_titan.config.manager import parse_args
     from tests.utils import REPO
 
@@ -69,8 +70,9 @@ def test_every_benchmark_row_is_a_valid_config(monkeypatch):
     runs = importlib.import_module("quality_benchmark").RUNS
     assert len({r.name for r in runs}) == len(runs)
     for run in runs:
-        cfg = parse_args(["--job.config_file", run.config, *run.overrides])
-        assert cfg.model.name in ("spider", "dense"), run.name
+        for flavor in ("debug", "small"):
+            cfg = parse_args(["--job.config_file", run.config, "--model.flavor", flavor, *run.overrides])
+            assert cfg.model.name in ("spider", "dense") and cfg.model.flavor == flavor, run.name
 
 
 def depth_run(folder, name, *, flops, bpb, options):

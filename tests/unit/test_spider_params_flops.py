@@ -195,15 +195,21 @@ def test_flops_helper_is_the_spec_formula_and_scales():
 
 def test_small_flavors_cost_at_least_four_times_debug_per_byte():
     """The quality study's second scale (docs/benchmarks.md) doubles every width: >= 4x debug's FLOPs per
-    byte at the same bytes per segment, for Spider and its dense partner alike (at the debug configs' seq
-    256). Spider `small` trains at 6 bytes per segment, which spends fewer of them than at debug's 4. The two
-    `small` flavors read the same byte n-grams (their tables are most of their parameters)."""
+    byte at the same bytes per segment and loops, for Spider and its dense partner alike (at the debug
+    configs' seq 256). Spider `small` trains at 6 bytes per segment and one core loop, each of which spends
+    less than debug's 4 bytes and 2 loops. The two `small` flavors read the same byte n-grams (their tables
+    are most of their parameters)."""
     from spider_titan.models.dense.model import DENSE_FLAVORS, dense_flops_per_token
 
-    spider = [spider_flops_per_byte(SPIDER_FLAVORS[f], 256, bytes_per_segment=4.0) for f in ("debug", "small")]
+    spider = [
+        spider_flops_per_byte(SPIDER_FLAVORS[f], 256, n_loops=2, bytes_per_segment=4.0) for f in ("debug", "small")
+    ]
     dense = [dense_flops_per_token(DENSE_FLAVORS[f], 256) for f in ("debug", "small")]
     assert 4.0 <= spider[1] / spider[0] < 5.0 and 4.0 <= dense[1] / dense[0] < 5.0, (spider, dense)
-    assert spider_flops_per_byte(SPIDER_FLAVORS["small"], 256) < spider[1]
+    small = SPIDER_FLAVORS["small"]
+    shipped = spider_flops_per_byte(small, 256)
+    assert shipped < spider_flops_per_byte(small, 256, bytes_per_segment=4.0) < spider[1]
+    assert shipped < spider_flops_per_byte(small, 256, n_loops=2)
     for key in ("byte_ngram_orders", "byte_ngram_buckets", "byte_ngram_lr"):
         assert getattr(SPIDER_FLAVORS["small"], key) == getattr(DENSE_FLAVORS["small"], key), key
 

@@ -268,13 +268,13 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config. A narrow boundary predictor (docs/experiments.md,
     # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections.
     "debug": SpiderArgs(boundary_dim=32),
-    # 3.8x debug's training FLOPs per byte (4.1x at debug's 4 bytes per segment; seq 256; 56.9 M parameters,
-    # 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md), every
-    # width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
+    # 3.5x debug's training FLOPs per byte (4.1x at debug's 4 bytes per segment and 2 loops; seq 256; 56.9 M
+    # parameters, 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md),
+    # every width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
     # (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram"), hashed byte n-grams of lengths 3-8
     # (``small_byte_ngrams``: "Byte n-grams", "32,768 buckets"), their tables trained at 8x the learning rate
-    # ("The n-gram tables' learning rate"), and 6 bytes per segment (-0.013, four paired runs; "6 bytes per
-    # segment").
+    # ("The n-gram tables' learning rate"), 6 bytes per segment (-0.013, four paired runs; "6 bytes per
+    # segment") and one core loop (-0.015, four paired runs at equal FLOPs; "One core loop as `small`'s default").
     "small": SpiderArgs(
         boundary_dim=32,
         dim=256,
@@ -288,6 +288,7 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         engram_buckets=8192,
         engram_dim=64,
         target_bytes_per_segment=6.0,
+        n_loops=1,
         **small_byte_ngrams(),
     ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
