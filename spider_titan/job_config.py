@@ -104,7 +104,7 @@ class Model:
     name: str = "spider"
     """Model component (registry key): ``spider`` or the ``dense`` baseline."""
     flavor: str = "debug"
-    """Size preset of the model (``debug``, ``1B``). Any field of the model's args can also be set in
+    """Size preset of the model (``debug``, ``small``, ``1B``). Any field of the model's args can also be set in
     this section (e.g. ``n_loops = 4``) and overrides the flavor's value."""
     converters: list[str] = field(default_factory=list)
     """Module converters applied after building on meta, in order. ``["float8"]`` is the one switch
