@@ -55,6 +55,7 @@ class _Stub(torch.nn.Module):
         super().__init__()
         self.core = torch.nn.Module()
         self.core.register_buffer("extra_loop_gain", torch.ones(max_loops))
+        self.core.inert_loops = lambda: [False] * max_loops  # every loop scored
 
 
 def _scorer(model: _Stub, n: int, effects, windows: int = 400, labels: float = 200.0):
@@ -79,7 +80,7 @@ def _scorer(model: _Stub, n: int, effects, windows: int = 400, labels: float = 2
 def test_calibration_keeps_a_loop_that_helps_and_leaves_out_the_others():
     """Loop 3 helps most at gain 0.5 (kept), loop 4 only hurts (left out), loop 5 helps by far less
     than the noise (left out): the loss on the calibration windows never rises with the loops."""
-    args = SPIDER_SPEC.build_args("debug", {"max_loops": 5})
+    args = SPIDER_SPEC.build_args("debug", {"n_loops": 2, "max_loops": 5})
     model = _Stub(5)
     effects = [
         lambda gain, z: 4.0 * ((gain - 0.5) ** 2 - 0.25) + 0.5 * gain * z,  # -1 nat per window at 0.5
@@ -93,6 +94,41 @@ def test_calibration_keeps_a_loop_that_helps_and_leaves_out_the_others():
     assert figures["loop_gain_3"] == 0.5 and figures["loop_gain_4"] == 0.0 and figures["loop_gain_5"] == 0.0
     assert figures["calib_gain_bpb"] == pytest.approx(-1.0 / 200.0 / math.log(2), rel=0.05)
     assert figures["calib_diff_bpb_4"] > 0  # the best gain of loop 4 was still worse than leaving it out
+
+
+def test_an_untrained_loop_after_a_left_out_one_is_not_scored_again():
+    """Loops whose own parameters are at their init compute the same map of the state, so after an
+    untrained loop left out the next is left out unscored, with the same figures as scoring it gives;
+    a loop whose LoRA trained (a negative control) is scored."""
+    model = build(n_loops=1).eval()
+    x = sample_ids(1, B=8)
+    y = torch.roll(x, -1, dims=1)
+
+    def calibrate(every_loop: bool):
+        calls = []
+
+        def score(kwargs):
+            calls.append(kwargs["n_loops"])
+            return window_cross_entropy(model(x, **kwargs).logits, y)
+
+        if every_loop:
+            model.core.inert_loops = lambda: [False] * 4
+        model.core.extra_loop_gain.fill_(1.0)
+        figures = calibrate_extra_loops(model, model.args, score)
+        model.core.__dict__.pop("inert_loops", None)
+        return figures, model.core.extra_loop_gain.tolist(), calls
+
+    assert model.core.inert_loops() == [True] * 4
+    skipped, gains, calls = calibrate(every_loop=False)
+    assert gains == [1.0, 0.0, 0.0, 0.0]  # loop 2 left out, so loops 3 and 4 follow unscored
+    assert calls == [1] + [2] * len(GAINS)
+    assert (skipped, gains) == calibrate(every_loop=True)[:2]  # what scoring them gives, exactly
+    with torch.no_grad():
+        model.core.layers[0].lora.wo_b[2].normal_(std=0.05)  # loop 3's adapter trained
+    assert model.core.inert_loops() == [True, True, False, True]
+    figures, _, calls = calibrate(every_loop=False)
+    assert calls == [1] + [2] * len(GAINS) + [3] * len(GAINS) + [4] * len(GAINS)
+    assert figures["calib_diff_bpb_3"] != figures["calib_diff_bpb_2"]
 
 
 def test_calibration_skips_models_without_extra_loops():

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from spider_titan.models.common import GrowingTensor
 from spider_titan.models.spider.args import SpiderArgs
@@ -582,6 +583,24 @@ class RecurrentCore(nn.Module):
         (``attention.adapted_linear``, where ``attention.can_fold``)."""
         attn = self._blocks()[0].attention
         return self.args.loop_lora and can_fold(attn.wq) and can_fold(attn.wo)
+
+    @torch.no_grad()
+    def inert_loops(self) -> list[bool]:
+        """Per loop index, whether its own parameters are at their inert init (every block's LoRA ``B``
+        zero, its loop-embedding row zero, its step size 1; no depth router): all such loops compute the
+        same map of the state. Called alike on every rank (a sharded parameter is gathered)."""
+        if self.depth is not None:
+            return [False] * self.args.max_loops
+        per_loop = [p for b in self._blocks() if b.lora is not None for p in (b.lora.wq_b, b.lora.wo_b)]
+        if self.loop_embedding is not None:
+            per_loop.append(self.loop_embedding.weight)
+        if self.loop_step is not None:
+            per_loop.append(self.loop_step)
+        inert = torch.ones(self.args.max_loops, dtype=torch.bool)
+        for p in per_loop:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            inert &= (full.reshape(self.args.max_loops, -1) == 0).all(dim=1).cpu()
+        return inert.tolist()
 
     def step_sizes(self) -> torch.Tensor:
         """``g`` (max_loops,) of ``loop_step_size``: ``1 + LOOP_STEP_SCALE * loop_step``."""
