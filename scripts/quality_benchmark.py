@@ -155,8 +155,13 @@ RUNS = [
         "the balancing loss and the selection bias together (the 1B configs' setting)",
     ),
     Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
-    Run("spider_loops1", SPIDER_CONFIG, ("--model.n_loops", "1"), "one core loop (no recurrence): small's default"),
-    Run("spider_loops2", SPIDER_CONFIG, TWO_LOOPS, "two core loops: debug's default, small's until 2026-11-29"),
+    Run(
+        "spider_loops1",
+        SPIDER_CONFIG,
+        ("--model.n_loops", "1"),
+        "one core loop (no recurrence): debug's and small's default",
+    ),
+    Run("spider_loops2", SPIDER_CONFIG, TWO_LOOPS, "two core loops: debug's and small's default until 2026-11-29"),
     Run(
         "spider_tail_steps",
         SPIDER_CONFIG,

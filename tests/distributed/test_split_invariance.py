@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 COMMON = [
     "--job.config_file",
     "train_configs/debug_model.toml",
+    "--model.n_loops",
+    "2",  # two trained loops (debug trains one), so the split reaches the state handed between loops
     "--model.n_experts",
     "2",
     "--model.top_k",

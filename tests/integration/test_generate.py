@@ -116,7 +116,7 @@ def test_loops_with_calibrated_gain_0_are_skipped_with_one_line(tmp_path, monkey
     from spider_titan import generation
 
     spec = registry.get("model", "spider")
-    args = spec.build_args("debug", {})
+    args = spec.build_args("debug", {"n_loops": 2})
     model = spec.build_on_meta(args)
     materialize(model, torch.device("cpu"), seed=0)
     model.core.extra_loop_gain[2:] = 0.0

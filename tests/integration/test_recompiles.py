@@ -1,6 +1,6 @@
 """torch.compile across a whole segmentation trajectory at seq 4096: no recompile after warm-up.
 
-The debug flavor, one 4096-byte row per step, every block compiled (inductor on CPU,
+The debug flavor at two core loops, one 4096-byte row per step, every block compiled (inductor on CPU,
 ``fullgraph=True``). The boundary predictor's threshold
 is set before each step so the batch's bytes per segment walk from the 16-byte length cap down to
 ~3 and back up (the path a run takes from an untrained predictor to its target rate, and the
@@ -79,6 +79,8 @@ def test_no_recompile_after_warmup_from_the_cap_down_to_3_bytes_and_back(
         "true",
         "--model.max_seq_len",
         str(SEQ),
+        "--model.n_loops",  # two loops, as measured before debug trained one: the regions between loops too
+        "2",
         "--validation.enable",
         "false",
         "--metrics.enable_tensorboard",

@@ -10,11 +10,11 @@ import dataclasses
 import torch
 
 from spider_titan.models.spider import spider_flops_per_byte
-from spider_titan.models.spider.args import SPIDER_FLAVORS
 from spider_titan.models.spider.attention import PackedRows
 from spider_titan.models.spider.model import Spider
 from spider_titan.models.spider.segmentation import Chunker
 from spider_titan.vocab import PAD_ID
+from tests.unit.test_spider_model import DEBUG
 from tests.unit.test_spider_params_flops import measured_train_flops
 
 
@@ -103,7 +103,7 @@ def test_a_packed_capacity_computes_what_the_counted_packing_does(monkeypatch):
         "tight": {"segment_capacity": 4.0, "packed_capacity": 0.5},
     }.items():
         torch.manual_seed(0)
-        model = Spider(dataclasses.replace(SPIDER_FLAVORS["debug"], **overrides))
+        model = Spider(dataclasses.replace(DEBUG, **overrides))
         model.init_weights()
         if name == "roomy":
             measured, aux = measured_train_flops(model, ids)
@@ -129,7 +129,7 @@ def test_packed_flops_match_flop_counter_on_ragged_rows(monkeypatch):
         return seen[-1]
 
     monkeypatch.setattr(Chunker, "segment", space_rule)
-    args = SPIDER_FLAVORS["debug"]
+    args = DEBUG
     torch.manual_seed(0)
     model = Spider(args)
     model.init_weights()
@@ -147,7 +147,7 @@ def test_a_ragged_batch_gives_each_row_its_own_logits_and_gradients():
     """Packing is exact: rows with very different segment counts give, in one batch, the logits and
     the LM-loss gradients they give alone (the core's attention must not mix the packed rows)."""
     torch.manual_seed(0)
-    model = Spider(SPIDER_FLAVORS["debug"])
+    model = Spider(DEBUG)
     model.init_weights()
     model.eval()
     ids = ragged_ids()

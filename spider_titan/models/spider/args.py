@@ -266,9 +266,10 @@ SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~1.0 M parameters: for CPU tests and the debug config. A narrow boundary predictor (docs/experiments.md,
-    # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections.
-    "debug": SpiderArgs(boundary_dim=32),
-    # 3.5x debug's training FLOPs per byte (4.1x at debug's 4 bytes per segment and 2 loops; seq 256; 56.9 M
+    # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections. One core loop (-0.025,
+    # four paired runs at equal FLOPs; "One core loop as debug's default").
+    "debug": SpiderArgs(boundary_dim=32, n_loops=1),
+    # 3.5x the two-loop debug's training FLOPs per byte (4.1x at 4 bytes per segment and 2 loops; seq 256; 56.9 M
     # parameters, 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md),
     # every width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
     # (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram"), hashed byte n-grams of lengths 3-8
