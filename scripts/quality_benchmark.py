@@ -57,7 +57,8 @@ FIXED = ("--model.boundary_predictor", "fixed", "--model.chunk_convention", "mea
 NO_BAND = ("--model.boundary_band", "0")
 # The dead zone's pull alike on both edges (the shipped model pulls rows above the band 0.3 as hard)
 BOTH_EDGES = ("--model.boundary_band_upper", "1.0")
-# The depth recipes below train around two core loops (debug's and `small`'s default until 2026-11-29; both train one now)
+# The depth recipes below train around two core loops (debug's and `small`'s default until 2026-11-29; both
+# train one now)
 TWO_LOOPS = ("--model.n_loops", "2")
 # Geiping et al.'s recipe: loops sampled per step, backprop through the last loop, a random initial state
 SAMPLED_LOOPS = (

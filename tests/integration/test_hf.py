@@ -23,6 +23,7 @@ from spider_titan.generation import load_model
 from spider_titan.hf.bundle import bundled_source, flat_name, source_closure
 from spider_titan.models.spider import SPIDER_FLAVORS, SPIDER_SPEC, Spider
 from spider_titan.vocab import BOS_ID
+from tests.unit.test_spider_model import DEBUG
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +37,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    args = dataclasses.replace(SPIDER_FLAVORS["debug"], n_loops=2)  # the export keeps the loops apart
+    args = DEBUG  # two loops: the export keeps the loops apart
     with torch.device("meta"):
         model = Spider(args)
     model.to_empty(device="cpu")

@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from spider_titan.models.spider import SPIDER_FLAVORS, Spider
+from spider_titan.models.spider import Spider
 from spider_titan.models.spider.decode import decode, new_cache
 from spider_titan.vocab import BOS_ID
+from tests.unit.test_spider_model import DEBUG
 
 TEXT = (
     b"Spider reads bytes. A learned boundary closes a segment; the core loops over segments, "
@@ -20,7 +21,7 @@ TEXT = (
 
 def _model(**overrides) -> Spider:
     torch.manual_seed(0)
-    args = dataclasses.replace(SPIDER_FLAVORS["debug"], **{"n_loops": 2, **overrides})  # loops cached apart
+    args = dataclasses.replace(DEBUG, **overrides)  # two loops, cached apart
     with torch.device("meta"):
         model = Spider(args)
     model.to_empty(device="cpu")

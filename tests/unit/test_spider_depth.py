@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from spider_titan.models.common import rope_frequencies
 from spider_titan.models.spider import SPIDER_FLAVORS, spider_flops_per_byte
 from spider_titan.models.spider.recurrence import initial_state, sample_loops
-from tests.unit.test_spider_model import build, sample_ids
+from tests.unit.test_spider_model import DEBUG, build, sample_ids
 
 
 def loss_and_grads(model, ids, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -142,7 +142,7 @@ def test_sampled_loop_count_is_a_function_of_the_step():
     assert counts == [sample_loops(args, step) for step in range(4000)]
     assert min(counts) == 1 and max(counts) <= 12 and len(set(counts)) >= 6
     assert abs(sum(counts) / len(counts) - 3.0) < 0.1
-    debug = dataclasses.replace(SPIDER_FLAVORS["debug"], n_loops=2, loop_sampling="poisson_lognormal")
+    debug = dataclasses.replace(DEBUG, loop_sampling="poisson_lognormal")
     capped = [sample_loops(debug, step) for step in range(4000)]
     assert max(capped) == debug.max_loops and 1.8 < sum(capped) / len(capped) <= 2.0
     one = dataclasses.replace(args, n_loops=1)
@@ -238,7 +238,7 @@ def test_tail_sampling_trains_the_deep_count_at_a_mean_of_n_loops():
         ({"loop_tail": 0.4}, "loop_tail: 0.4 must be in (0, 0.3333]"),
         ({"loop_tail": 0.0}, "loop_tail = 0.0 is not allowed; use a finite number > 0"),  # its declared range
     ):
-        bad = dataclasses.replace(SPIDER_FLAVORS["debug"], **{"n_loops": 2, "loop_sampling": "tail", **overrides})
+        bad = dataclasses.replace(DEBUG, loop_sampling="tail", **overrides)
         problems = [p.removeprefix("model.") for p in all_problems(bad)]
         assert any(p.startswith(needle) for p in problems), (overrides, problems)
 

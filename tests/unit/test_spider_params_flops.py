@@ -197,8 +197,8 @@ def test_small_flavors_cost_at_least_four_times_debug_per_byte():
     """The quality study's second scale (docs/benchmarks.md) doubles every width: >= 4x debug's FLOPs per
     byte at the same bytes per segment and loops, for Spider and its dense partner alike (at the debug
     configs' seq 256). Spider `small` trains at 6 bytes per segment and one core loop, each of which spends
-    less than 4 bytes and 2 loops (compared here, debug's own figures until it too trained one loop). The two `small` flavors read the same byte n-grams (their tables
-    are most of their parameters)."""
+    less than 4 bytes and 2 loops (compared here, debug's own figures until it too trained one loop). The two
+    `small` flavors read the same byte n-grams (their tables are most of their parameters)."""
     from spider_titan.models.dense.model import DENSE_FLAVORS, dense_flops_per_token
 
     spider = [
