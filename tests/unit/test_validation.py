@@ -187,3 +187,24 @@ def test_eval_loops_paired_difference_matches_the_stream():
         assert se > 0
         ses.append(se)
     assert 2.0 < ses[0] / ses[1] < 8.0  # 16x the windows: about 4x smaller
+
+
+def test_eval_loops_compares_models_as_trained(monkeypatch, tmp_path):
+    """Several ``--model``: each runs as trained (no loop count, which a dense model would refuse) on the same
+    windows, and each one's paired difference to the first is the difference of their bpb; ``--loops`` with
+    several models is refused."""
+    import json
+
+    import scripts.eval_loops as eval_loops
+
+    torch.manual_seed(0)
+    models = {"a": Bigram(), "b": Bigram()}
+    monkeypatch.setattr(eval_loops, "load_model", lambda path, device: (models[path.name], None))
+    eval_loops.main(["--model", "a", "--model", "b", "--batch", "16", "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["model"] for r in rows] == ["a", "b"]
+    assert (rows[0]["diff_bpb"], rows[0]["se_bpb"]) == (0.0, 0.0)
+    assert rows[1]["diff_bpb"] == pytest.approx(rows[1]["val_bpb"] - rows[0]["val_bpb"], abs=1e-9)
+    assert abs(rows[1]["diff_bpb"]) > 10 * rows[1]["se_bpb"] > 0  # two random tables: far apart
+    with pytest.raises(SystemExit, match="one --model"):
+        eval_loops.main(["--model", "a", "--model", "b", "--loops", "1,2"])
