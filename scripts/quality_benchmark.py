@@ -132,16 +132,16 @@ RUNS = [
     Run("spider_engram_2048", SPIDER_CONFIG, ("--model.engram_buckets", "2048"), "Engram tables of 2,048 buckets"),
     Run("spider_engram_16k", SPIDER_CONFIG, ("--model.engram_buckets", "16384"), "Engram tables of 16,384 buckets"),
     Run(
-        "spider_ngrams",
+        "spider_no_ngrams",
         SPIDER_CONFIG,
-        ("--model.byte_ngram_orders", "[3, 4, 5, 6, 7, 8]"),
-        "hashed byte n-gram embeddings of lengths 3-8 at the input (BLT)",
+        ("--model.byte_ngram_orders", "[]"),
+        "no hashed byte n-gram embeddings (BLT's; small's default since 2026-11-28, debug's since 2026-11-29)",
     ),
     Run(
-        "dense_ngrams",
+        "dense_no_ngrams",
         DENSE_CONFIG,
-        ("--model.byte_ngram_orders", "[3, 4, 5, 6, 7, 8]"),
-        "the dense baseline with spider_ngrams' hashed byte n-gram embeddings",
+        ("--model.byte_ngram_orders", "[]"),
+        "the dense baseline without its hashed byte n-gram embeddings",
     ),
     Run(
         "spider_aux_free",

@@ -145,11 +145,11 @@ HASH_MIX = 1_103_515_245
 HASH_ADD = 12_345
 
 
-def small_byte_ngrams() -> dict:
-    """The ``small`` flavors' hashed byte n-grams (lengths 3-8, 32,768 buckets each), one setting for Spider and
-    dense so that the two compare with the same input embeddings (docs/experiments.md, "Byte n-grams"; the
-    bucket count from "32,768 buckets as both `small` flavors' default")."""
-    return {"byte_ngram_orders": [3, 4, 5, 6, 7, 8], "byte_ngram_buckets": 32768}
+def hashed_byte_ngrams(buckets: int) -> dict:
+    """Hashed byte n-grams of lengths 3-8 with ``buckets`` rows per length: one setting per flavor, shared by
+    Spider and dense so that the two compare with the same input embeddings (docs/experiments.md, "Byte
+    n-grams"; debug's 2,048 from "Byte n-grams as debug's default", ``small``'s 32,768 from "32,768 buckets")."""
+    return {"byte_ngram_orders": [3, 4, 5, 6, 7, 8], "byte_ngram_buckets": buckets}
 
 
 def byte_ngram_problems(orders: list[int], lr: float = 1.0) -> list[str]:

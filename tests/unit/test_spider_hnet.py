@@ -243,7 +243,7 @@ def expected_factor(name: str) -> float:
 
 @pytest.mark.parametrize("builder", [build_adamw, build_muon], ids=["adamw", "muon"])
 def test_param_groups_carry_the_right_lr(builder):
-    model = build()
+    model = build(byte_ngram_orders=[])  # the tables' own factor: test_the_ngram_tables_train_at_their_own_factor
     cfg = OptimizerConfig(lr=1e-3, muon_lr=0.02, weight_decay=0.1, lr_multipliers=list(RULES))
     opt = builder(model, cfg)
     lr_of = {id(p): (g["lr"], g) for g in opt.param_groups for p in g["params"]}
@@ -264,10 +264,14 @@ def test_param_groups_carry_the_right_lr(builder):
         assert lr_of[id(p)][1]["lr"] == pytest.approx(base * expected_factor(name) * sched.lr_lambdas[0](5)), name
 
 
-def test_no_multipliers_keep_the_two_groups():
-    opt = build_adamw(build(), OptimizerConfig(lr=1e-3))
-    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    assert all(g["lr"] == 1e-3 for g in opt.param_groups)
+def test_no_multipliers_keep_the_decay_groups_and_the_tables_own():
+    """Without rules: decayed and undecayed weights at the base lr, the n-gram tables undecayed at 8x it."""
+    opt = build_adamw(build(byte_ngram_orders=[]), OptimizerConfig(lr=1e-3))
+    assert [(g["weight_decay"], g["lr"]) for g in opt.param_groups] == [(0.1, 1e-3), (0.0, 1e-3)]
+    model = build(byte_ngram_orders=[3, 4], byte_ngram_lr=8.0)
+    opt = build_adamw(model, OptimizerConfig(lr=1e-3))
+    assert [(g["weight_decay"], g["lr"]) for g in opt.param_groups] == [(0.1, 1e-3), (0.0, 1e-3), (0.0, 8e-3)]
+    assert {id(p) for p in opt.param_groups[2]["params"]} == {id(p) for p in model.byte_ngrams.parameters()}
 
 
 @pytest.mark.parametrize("builder", [build_adamw, build_muon], ids=["adamw", "muon"])

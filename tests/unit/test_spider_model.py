@@ -699,8 +699,8 @@ def test_boundary_band_dead_zone():
 
 
 def test_boundary_loss_trains_the_predictor_and_the_prelude(monkeypatch):
-    """The boundary loss's gradient reaches the predictor and, through it, the prelude (and nothing
-    after the segmentation)."""
+    """The boundary loss's gradient reaches the predictor and, through it, the prelude and its input
+    embeddings (and nothing after the segmentation)."""
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 48))
     caught = []
@@ -713,7 +713,9 @@ def test_boundary_loss_trains_the_predictor_and_the_prelude(monkeypatch):
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert any(n.startswith("prelude.") for n in grads)
     assert any(n.startswith("boundary_predictor.") for n in grads)
-    assert all(n.startswith(("embed_tokens.", "prelude.", "boundary_predictor.")) for n in grads), sorted(grads)
+    assert any(n.startswith("byte_ngrams.") for n in grads)
+    before = ("embed_tokens.", "byte_ngrams.", "prelude.", "boundary_predictor.")
+    assert all(n.startswith(before) for n in grads), sorted(grads)
 
 
 def test_eval_variants():

@@ -19,8 +19,8 @@ from spider_titan.models.common import (
     byte_ngram_problems,
     causal_sdpa,
     depth_scaled_std,
+    hashed_byte_ngrams,
     rope_frequencies,
-    small_byte_ngrams,
 )
 from spider_titan.protocol import ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import VOCAB_SIZE
@@ -63,10 +63,11 @@ class DenseArgs:
 
 
 DENSE_FLAVORS = {
-    "debug": DenseArgs(),
+    # Spider debug's partner, with its hashed byte n-grams (``hashed_byte_ngrams``).
+    "debug": DenseArgs(**hashed_byte_ngrams(2048)),
     # ~4x debug's training FLOPs per byte (4.07x at seq 256), the dense partner of Spider's "small", with
-    # the same hashed byte n-grams (``small_byte_ngrams``).
-    "small": DenseArgs(dim=256, inter_dim=832, **small_byte_ngrams()),
+    # the same hashed byte n-grams.
+    "small": DenseArgs(dim=256, inter_dim=832, **hashed_byte_ngrams(32768)),
     # 22 blocks of (GQA 16/4 heads: 10.5 M) + (SwiGLU 5632: 34.6 M) = 992 M, + embeddings/head 1.1 M.
     "1B": DenseArgs(dim=2048, n_layers=22, n_heads=16, n_kv_heads=4, inter_dim=5632),
 }

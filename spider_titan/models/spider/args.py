@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from spider_titan.job_config import ranged
-from spider_titan.models.common import byte_ngram_problems, small_byte_ngrams
+from spider_titan.models.common import byte_ngram_problems, hashed_byte_ngrams
 
 
 @dataclass
@@ -265,15 +265,17 @@ SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
-    # ~1.0 M parameters: for CPU tests and the debug config. A narrow boundary predictor (docs/experiments.md,
-    # "Learned segmentation's compute overhead"); 1B keeps H-Net's square projections. One core loop (-0.025,
-    # four paired runs at equal FLOPs; "One core loop as debug's default").
-    "debug": SpiderArgs(boundary_dim=32, n_loops=1),
+    # ~2.6 M parameters, 1.6 M of them byte n-gram tables: for CPU tests and the debug config. A narrow boundary
+    # predictor (docs/experiments.md, "Learned segmentation's compute overhead"); 1B keeps H-Net's square
+    # projections. One core loop (-0.025, four paired runs at equal FLOPs; "One core loop as debug's default").
+    # Hashed byte n-grams of lengths 3-8, 2,048 buckets each (-0.354, four paired runs; "Byte n-grams as debug's
+    # default").
+    "debug": SpiderArgs(boundary_dim=32, n_loops=1, **hashed_byte_ngrams(2048)),
     # 3.5x the two-loop debug's training FLOPs per byte (4.1x at 4 bytes per segment and 2 loops; seq 256; 56.9 M
     # parameters, 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md),
     # every width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
     # (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram"), hashed byte n-grams of lengths 3-8
-    # (``small_byte_ngrams``: "Byte n-grams", "32,768 buckets"), their tables trained at 8x the learning rate
+    # (``hashed_byte_ngrams``: "Byte n-grams", "32,768 buckets"), their tables trained at 8x the learning rate
     # ("The n-gram tables' learning rate"), 6 bytes per segment (-0.013, four paired runs; "6 bytes per
     # segment") and one core loop (-0.015, four paired runs at equal FLOPs; "One core loop as `small`'s default").
     "small": SpiderArgs(
@@ -290,7 +292,7 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         engram_dim=64,
         target_bytes_per_segment=6.0,
         n_loops=1,
-        **small_byte_ngrams(),
+        **hashed_byte_ngrams(32768),
     ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
