@@ -39,6 +39,8 @@ SMALL = [
     "1",
     "--model.engram_layers",
     "[]",
+    "--model.byte_ngram_orders",  # nothing the dispatch sees (FSDP over the tables: test_parallelism)
+    "[]",
     # static shapes as spider_1b_fp8_fsdp_ep.toml ships them: segment slots, the core packed
     "--model.segment_capacity",
     "1.5",
