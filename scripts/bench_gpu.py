@@ -548,88 +548,93 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: f
         return {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    # CPU: the generated kernels record themselves in the profile, so the launch count sees them
-    torch._inductor.config.cpp.enable_kernel_profile = not torch.cuda.is_available()
-    recompiles = _Recompiles()
-    dynamo_log = logging.getLogger("torch._dynamo")
-    torch._logging.set_logs(recompiles=True)
-    dynamo_log.addHandler(recompiles)
-    result: dict = {}
-    watch = None
-    try:
-        run = trainer.run
-        cuda = run.device.type == "cuda"
-        rate = warm_router(trainer)
-        if rate == rate:
-            result["warm_bytes_per_segment"] = round(rate, 2)
-        tokens = cfg.training.local_batch_size * cfg.training.seq_len
-        times, flops_per_byte, bps, drops, events = [], [], [], [], []
-        watch = StepEvents(recompiles, cuda)
-        for step in range(1, args.warmup + args.steps + 1):
-            if time.perf_counter() - started > budget:
-                result["budget_hit"] = f"stopped after {step - 1} steps ({budget:g} s)"
-                break
-            batches = trainer.next_micro_batches()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            metrics = trainer.train_step(batches, step)
-            float(metrics["ce_sum"])  # wait for the step
-            dt = time.perf_counter() - t0
-            happened = watch.take()
-            if step == 1:
-                result["compile_s"] = round(dt, 2)
-                result["compile_events"] = happened  # e.g. Triton JIT and autotune compiles in step 1
+    # CPU: the generated kernels record themselves in the profile, so the launch count sees them; for this
+    # row only (config.patch), not for whatever runs next in the process
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": not torch.cuda.is_available()}):
+        recompiles = _Recompiles()
+        dynamo_log = logging.getLogger("torch._dynamo")
+        torch._logging.set_logs(recompiles=True)
+        dynamo_log.addHandler(recompiles)
+        result: dict = {}
+        watch = None
+        try:
+            run = trainer.run
+            cuda = run.device.type == "cuda"
+            rate = warm_router(trainer)
+            if rate == rate:
+                result["warm_bytes_per_segment"] = round(rate, 2)
+            tokens = cfg.training.local_batch_size * cfg.training.seq_len
+            times, flops_per_byte, bps, drops, events = [], [], [], [], []
+            watch = StepEvents(recompiles, cuda)
+            for step in range(1, args.warmup + args.steps + 1):
+                if time.perf_counter() - started > budget:
+                    result["budget_hit"] = f"stopped after {step - 1} steps ({budget:g} s)"
+                    break
+                batches = trainer.next_micro_batches()
                 if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-            if step > args.warmup:
-                times.append(dt)
-                events.append(happened)
-                fpb = metrics.get("aux.flops_per_byte")
-                flops_per_byte.append(
-                    float(fpb) if fpb is not None else run.spec.flops_per_token(run.model_args, cfg.training.seq_len)
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                metrics = trainer.train_step(batches, step)
+                float(metrics["ce_sum"])  # wait for the step
+                dt = time.perf_counter() - t0
+                happened = watch.take()
+                if step == 1:
+                    result["compile_s"] = round(dt, 2)
+                    result["compile_events"] = happened  # e.g. Triton JIT and autotune compiles in step 1
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                if step > args.warmup:
+                    times.append(dt)
+                    events.append(happened)
+                    fpb = metrics.get("aux.flops_per_byte")
+                    flops_per_byte.append(
+                        float(fpb)
+                        if fpb is not None
+                        else run.spec.flops_per_token(run.model_args, cfg.training.seq_len)
+                    )
+                    bpseg = metrics.get("aux.bytes_per_segment")
+                    if bpseg is not None:
+                        bps.append(float(bpseg))
+                    dropped = metrics.get("aux.segments_dropped")  # under a segment capacity
+                    if dropped is not None:
+                        drops.append(float(dropped))
+            if times:
+                median = statistics.median(times)
+                fpb = statistics.fmean(flops_per_byte)
+                peak = peak_flops(run.device)
+                result.update(
+                    bytes_per_s=round(tokens / median, 1),
+                    step_s={"median": round(median, 4), "max": round(max(times), 4)},
+                    slowest_over_median=round(max(times) / median, 2),
+                    tflops=float(f"{fpb * tokens / median / 1e12:.4g}"),
+                    mfu=None if peak is None else round(fpb * tokens / median / peak, 4),
+                    flops_per_byte=round(fpb, 1),
+                    slow_steps=slow_steps(times, events, args.warmup + 1),
+                    timed_step_events={k: sum(e[k] for e in events) for k in events[0]},
                 )
-                bpseg = metrics.get("aux.bytes_per_segment")
-                if bpseg is not None:
-                    bps.append(float(bpseg))
-                dropped = metrics.get("aux.segments_dropped")  # under a segment capacity
-                if dropped is not None:
-                    drops.append(float(dropped))
-        if times:
-            median = statistics.median(times)
-            fpb = statistics.fmean(flops_per_byte)
-            peak = peak_flops(run.device)
-            result.update(
-                bytes_per_s=round(tokens / median, 1),
-                step_s={"median": round(median, 4), "max": round(max(times), 4)},
-                slowest_over_median=round(max(times) / median, 2),
-                tflops=float(f"{fpb * tokens / median / 1e12:.4g}"),
-                mfu=None if peak is None else round(fpb * tokens / median / peak, 4),
-                flops_per_byte=round(fpb, 1),
-                slow_steps=slow_steps(times, events, args.warmup + 1),
-                timed_step_events={k: sum(e[k] for e in events) for k in events[0]},
-            )
-            if bps:
-                result["bytes_per_segment"] = round(statistics.fmean(bps), 2)
-            if drops:
-                result["segments_dropped"] = round(statistics.fmean(drops), 4)
-            if cuda:
-                result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            if time.perf_counter() - started < budget:
-                per_step = run_ahead(trainer, args.warmup + args.steps + 1, args.steps, cuda)
-                result["run_ahead_bytes_per_s"] = round(tokens / per_step, 1)
-            if time.perf_counter() - started < budget:
-                result["profile"] = profile_step(trainer, args.warmup + 2 * args.steps + 1)
-        result["recompiles"] = [m for m in recompiles.messages if m.startswith("Recompiling")]
-        result["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        if "profile" in result and name != "dense_1b":
-            result["flops_share"] = flops_shares(run.model_args, cfg.training.seq_len, result.get("bytes_per_segment"))
-    finally:
-        if watch is not None:
-            watch.close()
-        dynamo_log.removeHandler(recompiles)
-        torch._logging.set_logs()
-        trainer.close()
+                if bps:
+                    result["bytes_per_segment"] = round(statistics.fmean(bps), 2)
+                if drops:
+                    result["segments_dropped"] = round(statistics.fmean(drops), 4)
+                if cuda:
+                    result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                if time.perf_counter() - started < budget:
+                    per_step = run_ahead(trainer, args.warmup + args.steps + 1, args.steps, cuda)
+                    result["run_ahead_bytes_per_s"] = round(tokens / per_step, 1)
+                if time.perf_counter() - started < budget:
+                    result["profile"] = profile_step(trainer, args.warmup + 2 * args.steps + 1)
+            result["recompiles"] = [m for m in recompiles.messages if m.startswith("Recompiling")]
+            result["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            if "profile" in result and name != "dense_1b":
+                result["flops_share"] = flops_shares(
+                    run.model_args, cfg.training.seq_len, result.get("bytes_per_segment")
+                )
+        finally:
+            if watch is not None:
+                watch.close()
+            dynamo_log.removeHandler(recompiles)
+            torch._logging.set_logs()
+            trainer.close()
     result["wall_s"] = round(time.perf_counter() - started, 1)
     return result
 

@@ -46,6 +46,8 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     # shapes, recurrent checkpointing, no graph); its flags are checked below
     ran = "dense_1b,spider_1b,spider_1b_static,spider_1b_packed,spider_1b_planned,no_ac"
     assert bench_gpu.main([*argv, "--rows", ran, "--out", str(tmp_path)]) == 0
+    # the rows profile their kernels on a CPU, and leave inductor's config as it was for what runs next
+    assert torch._inductor.config.cpp.enable_kernel_profile is False
     report = json.loads((tmp_path / "gpu_1b.json").read_text())
     table = (tmp_path / "gpu_1b.md").read_text()
     rows = report["rows"]
