@@ -9,8 +9,8 @@ every corpus in ``--data`` over the whole val split, each paired with bf16's ove
 difference and its standard error, ``protocol.paired_difference``), and cached decoding bytes/s on CPU
 (``--new`` greedy bytes after a ``--context``-byte prompt of the first corpus' val text). ``--ablate``
 adds a second table that decides ``ModelSpec.quantize_keep_fqns``: int8 and int4 quantized in memory
-from the bf16 export with the small or loop-sensitive linears (:data:`CANDIDATES`) all kept in bf16,
-then each of them quantized too, then all, each paired with the all-kept row.
+from the bf16 export with the small or loop-sensitive linears and the hashed tables (:data:`CANDIDATES`) all
+kept in bf16, then each of them quantized too, then all, each paired with the all-kept row.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from spider_titan.quantization.weight_only import apply_weight_only, plan_weight
 from spider_titan.training.validation import whole_split_batches
 from spider_titan.vocab import BOS_ID
 
-CANDIDATES = ("lm_head", "boundary_predictor", "core.inject", "router")  # linears that may stay bf16
+# linears and tables that may stay bf16; the byte and loop embeddings (a few hundred rows; the loop embedding is
+# read by index, not called) stay bf16 in every row
+CANDIDATES = ("lm_head", "boundary_predictor", "core.inject", "router", "byte_ngrams", "engram.table")
+SMALL_TABLES = ("embed_tokens", "loop_embedding")
 FORMATS = {  # name -> (dtype of the rest, --quantize)
     "fp32": (torch.float32, None),
     "bf16": (torch.bfloat16, None),
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for method in ("int8", "int4"):
             variants = {"kept": CANDIDATES, **{f"+{c}": [k for k in CANDIDATES if k != c] for c in CANDIDATES}}
             variants["all"] = ()
+            variants = {label: (*kept, *SMALL_TABLES) for label, kept in variants.items()}
             ref = None
             for label, kept in variants.items():
                 model, _ = load_model(out / "bf16", dtype=torch.bfloat16)

@@ -176,8 +176,8 @@ class ModelSpec:
                       the export holds no Hugging Face files
     float8_skip_fqns: linears whose FQN contains one of these stay in high precision under the float8
                       converter (besides ``float8.filter_fqns``): the parts fp8 hurts or does not speed up
-    quantize_keep_fqns: linears whose FQN contains one of these keep the export's dtype in an int8 / int4
-                      export (quantization/weight_only.py); None: the model has no quantized export
+    quantize_keep_fqns: linears and embedding tables whose FQN contains one of these keep the export's dtype in
+                      an int8 / int4 export (quantization/weight_only.py); None: the model has no quantized export
     graph_blockers:   ``args -> [reason, ...]``: why a training step's forward is not the same CUDA
                       graph every step (a host read of a data-dependent size, a per-step host choice);
                       ``training.cuda_graph`` refuses the run with them. None: nothing blocks

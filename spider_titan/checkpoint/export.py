@@ -22,9 +22,9 @@ on the folder, which the kernel drops when its holder dies), so the temporary si
 (``.<name>.tmp-*``, ``.<name>.old-*``) found under that lock were left by a writer that was killed
 (kill -9, power loss): the next export into ``out`` deletes them once ``out`` holds a complete export.
 
-``quantize`` (``scripts/export_safetensors.py --quantize int8|int4``) writes the model's linears
-weight-only quantized with torchao (:func:`quantized_state`, quantization/weight_only.py) and the rest in
-``dtype``; config.json's ``quantization`` names the method, and the readers quantize the same linears
+``quantize`` (``scripts/export_safetensors.py --quantize int8|int4``) writes the model's linears and
+hashed tables weight-only quantized with torchao (:func:`quantized_state`, quantization/weight_only.py) and the
+rest in ``dtype``; config.json's ``quantization`` names the method, and the readers quantize the same weights
 before loading. A DCP checkpoint or an unquantized export can be its source.
 
 Float8 training keeps each converted linear's high-precision weight as its parameter; with fp8
@@ -301,7 +301,7 @@ def check_quantizable(name: str, quantize: str) -> None:
 def quantized_state(
     tensors: dict[str, torch.Tensor], identity: ModelIdentity, dtype: torch.dtype, quantize: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model's state with everything in ``dtype`` and its linears, but those its spec keeps
+    """The model's state with everything in ``dtype`` and its linears and tables, but those its spec keeps
     (``ModelSpec.quantize_keep_fqns``), quantized with ``quantize``; and config.json's block for it."""
     spec = registry.get("model", identity.name)
     model = spec.build_on_meta(identity.build_args())
@@ -310,17 +310,17 @@ def quantized_state(
     model.to(dtype)
     quantized, kept, skipped = plan_weight_only(model, quantize, spec.quantize_keep_fqns)
     if not quantized:
-        raise ValueError(f"--quantize {quantize}: no linear of the {identity.name!r} model can be quantized")
+        raise ValueError(f"--quantize {quantize}: no linear or table of the {identity.name!r} model can be quantized")
     if skipped:
         logger.info(
-            "export: %d linear(s) stay %s, their input width is not a multiple of the int4 group: %s",
+            "export: %d weight(s) stay %s, their row width is not a multiple of the int4 group: %s",
             len(skipped),
             DTYPE_NAMES[dtype],
             ", ".join(skipped),
         )
     apply_weight_only(model, quantize, quantized)
     logger.info(
-        "export: %d linears quantized to %s, %d kept in %s (%s)",
+        "export: %d linears and tables quantized to %s, %d kept in %s (%s)",
         len(quantized),
         quantize,
         len(kept),

@@ -165,6 +165,17 @@ def byte_ngram_problems(orders: list[int], lr: float = 1.0) -> list[str]:
     return out
 
 
+def embedding_rows(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """``table(ids)``. A table an int8 / int4 export quantized (quantization/weight_only.py) dequantizes only
+    the rows ``ids`` read; torchao's own embedding dequantizes the whole table at every lookup."""
+    weight = table.weight
+    if not hasattr(weight, "tensor_data_names"):  # a plain tensor
+        return table(ids)
+    # torchao's subclasses hold data, scales and zero points with one row per table row: take the rows read
+    rows = weight._apply_fn_to_data(lambda t: t[ids.flatten()]).dequantize()
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
 class ByteNgrams(nn.Module):
     """Hashed byte n-gram embeddings (BLT, Pagnoni et al. 2024), added to the byte embeddings.
 
@@ -198,7 +209,7 @@ class ByteNgrams(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, first: int = 0) -> torch.Tensor:
         ids = self.bucket_ids(input_ids, first)
-        return sum(table(ids[..., i]) for i, table in enumerate(self.tables))
+        return sum(embedding_rows(table, ids[..., i]) for i, table in enumerate(self.tables))
 
     def init_weights(self) -> None:
         for table in self.tables:

@@ -1,21 +1,22 @@
-"""Weight-only int8 / int4 quantization of an export's linears (torchao), and its safetensors form.
+"""Weight-only int8 / int4 quantization of an export's linears and hashed tables (torchao), and its safetensors form.
 
-What: the ``nn.Linear`` weights a model's spec does not keep (``ModelSpec.quantize_keep_fqns``) become
-torchao tensor subclasses that dequantize inside ``F.linear``: ``int8``, one fp32 scale per output row
-(``Int8WeightOnlyConfig``, ``Int8Tensor``); ``int4``, one scale per 32 inputs of a row
+What: the ``nn.Linear`` and ``nn.Embedding`` weights a model's spec does not keep (``ModelSpec.quantize_keep_fqns``)
+become torchao tensor subclasses: ``int8``, one fp32 scale per output row of a linear or per row of a table
+(``Int8WeightOnlyConfig``, ``Int8Tensor``); ``int4``, one scale per 32 values of a row
 (``IntxWeightOnlyConfig(int4, PerGroup(32))``, ``IntxUnpackedToInt8Tensor``: torchao 0.18's int4 that
-runs on CPU; its packed int4 layouts need CUDA, XPU or NPU kernels). Every other tensor (embeddings,
-norms, LoRA adapters, the MoE's 3-D expert weights, which are not linears) keeps the export's dtype.
+runs on CPU; its packed int4 layouts need CUDA, XPU or NPU kernels). A linear dequantizes inside ``F.linear``;
+a table dequantizes only the rows a lookup reads (``models.common.embedding_rows``). Every other tensor
+(norms, LoRA adapters, the MoE's 3-D expert weights, which are not linears) keeps the export's dtype.
 
 Layout on disk: torchao's safetensors flattening (``<module>._weight_qdata``, ``_weight_scale``,
 ``_weight_zero_point``, and a JSON description of each tensor in the file's header); torchao keeps one
 int4 value per int8, so :func:`flatten_quantized` packs two per byte (low nibble first) and
 :func:`unflatten_quantized` unpacks them. Loading (:func:`load_quantized`) rebuilds the same subclasses on
-the same linears and loads every tensor strictly. torchao is imported only when a quantized export is
+the same modules and loads every tensor strictly. torchao is imported only when a quantized export is
 written or read, so an unquantized export loads without it.
 
-Limits: smaller files, not faster ones: the weight is converted or dequantized at every call (cached
-decoding on CPU ran at 0.9x / 0.7x bf16's speed, docs/benchmarks.md); an int4 linear's input width must be
+Limits: smaller files, not faster ones: a linear's weight is converted or dequantized at every call (cached
+decoding on CPU ran at 0.9x / 0.7x bf16's speed, docs/benchmarks.md); an int4 weight's row width must be
 a multiple of 32 (else it keeps the export's dtype, logged); the experts, 62 % of 1B's parameters, stay bf16.
 """
 
@@ -83,17 +84,20 @@ def torchao_config(method: str):
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP_SIZE))
 
 
+QUANTIZABLE = (nn.Linear, nn.Embedding)  # a 2-D weight quantized by rows: (out, in) or (rows, dim)
+
+
 def plan_weight_only(model: nn.Module, method: str, keep: Iterable[str]) -> tuple[list[str], list[str], list[str]]:
-    """(quantized, kept, skipped) FQNs of ``model``'s linears: kept where the FQN contains one of
-    ``keep``; skipped where int4's groups do not divide the input width; the rest quantized."""
+    """(quantized, kept, skipped) FQNs of ``model``'s linears and tables: kept where the FQN contains one
+    of ``keep``; skipped where int4's groups do not divide a row; the rest quantized."""
     keep = tuple(keep)
     quantized, kept, skipped = [], [], []
     for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, QUANTIZABLE):
             continue
         if any(part in fqn for part in keep):
             kept.append(fqn)
-        elif method == "int4" and module.in_features % INT4_GROUP_SIZE:
+        elif method == "int4" and module.weight.shape[1] % INT4_GROUP_SIZE:
             skipped.append(fqn)
         else:
             quantized.append(fqn)
@@ -101,7 +105,7 @@ def plan_weight_only(model: nn.Module, method: str, keep: Iterable[str]) -> tupl
 
 
 def apply_weight_only(model: nn.Module, method: str, fqns: Iterable[str], *, where: object = "--quantize") -> None:
-    """Quantize the weights of the linears ``fqns`` of ``model`` in place (``method``: int8 or int4)."""
+    """Quantize the weights of the linears and tables ``fqns`` of ``model`` in place (``method``: int8 or int4)."""
     check_method(method, where)
     quantize_, _ = require_torchao(where, method)
     fqns = set(fqns)
@@ -178,12 +182,12 @@ def quantization_block(method: str, quantized: list[str], kept: list[str], skipp
     return {
         "method": method,
         "library": f"torchao {torchao.__version__}",
-        "weights": "int8, one scale per output row"
+        "weights": "int8, one scale per row"
         if method == "int8"
-        else f"int4, one scale per {INT4_GROUP_SIZE} inputs, stored two per byte",
-        "quantized_linears": len(quantized),
-        "kept_linears": kept,
-        "skipped_linears": skipped,
+        else f"int4, one scale per {INT4_GROUP_SIZE} values of a row, stored two per byte",
+        "quantized_weights": len(quantized),
+        "kept_weights": kept,
+        "skipped_weights": skipped,
     }
 
 
@@ -206,13 +210,15 @@ def load_quantized(
     model: nn.Module, state: dict[str, torch.Tensor], method: str, *, dtype: torch.dtype, where: object
 ) -> None:
     """Load an export's ``state`` into the materialised ``model`` the way it was written: the rest cast
-    to the export's ``dtype``, the same linears quantized with ``method``, then every tensor loaded
+    to the export's ``dtype``, the same linears and tables quantized with ``method``, then every tensor loaded
     strictly (no missing or extra one, each of the type the model now holds). ValueError naming ``where``."""
     quantized = {fqn.removesuffix(".weight") for fqn, t in state.items() if is_quantized(t)}
-    linears = {fqn for fqn, module in model.named_modules() if isinstance(module, nn.Linear)}
-    if not quantized <= linears:
-        wrong = sorted(quantized - linears)
-        raise ValueError(f"{where}: quantized tensors {wrong[:3]} are not linear weights of the model; re-export it")
+    weights = {fqn for fqn, module in model.named_modules() if isinstance(module, QUANTIZABLE)}
+    if not quantized <= weights:
+        wrong = sorted(quantized - weights)
+        raise ValueError(
+            f"{where}: quantized tensors {wrong[:3]} are not linear or table weights of the model; re-export it"
+        )
     model.to(dtype)
     apply_weight_only(model, method, quantized, where=where)
     want = model.state_dict()

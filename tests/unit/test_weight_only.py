@@ -2,7 +2,8 @@
 spider_titan and by transformers into the same model, smaller than fp32; the mistakes are one line each.
 
 The model is a randomly initialised debug Spider (seed 0) written by the exporter itself, as in
-tests/integration/test_hf.py."""
+tests/integration/test_hf.py, its hashed tables (zero at init) filled with random rows so that quantizing them
+changes the logits."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from spider_titan.checkpoint.export import export_checkpoint, quantized_state, r
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components.builder import materialize
 from spider_titan.generation import generate, load_model
+from spider_titan.models.common import embedding_rows
 from spider_titan.models.spider import SPIDER_FLAVORS
+from spider_titan.models.spider.engram import Engram
 from spider_titan.quantization import weight_only
 from spider_titan.vocab import BOS_ID
 from tests.utils import REPO
@@ -38,6 +41,10 @@ def _export(name: str, out: Path) -> Path:
     args = spec.flavors["debug"]
     model = spec.build_on_meta(args)
     materialize(model, torch.device("cpu"), seed=0)
+    with torch.no_grad():
+        for fqn, module in model.named_modules():
+            if isinstance(module, nn.Embedding) and ("byte_ngrams" in fqn or "engram" in fqn):
+                module.weight.normal_(0.0, 0.05)
     return write_export(model.state_dict(), ModelIdentity.of(name, "debug", args), out, dtype=torch.float32)
 
 
@@ -78,11 +85,14 @@ def test_a_quantized_export_loads_the_same_in_spider_titan_and_transformers(expo
     out = exports[method]
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["method"] == method and config["dtype"] == "bfloat16"
-    assert "lm_head" in config["quantization"]["kept_linears"]
+    assert {"lm_head", "embed_tokens"} <= set(config["quantization"]["kept_weights"])
 
     model, _ = load_model(out)
-    assert type(model.core.inject.weight).__name__ == QUANTIZED_TYPE[method]
+    engram = next(m for m in model.modules() if isinstance(m, Engram))
+    for weight in (model.core.inject.weight, model.byte_ngrams.tables[0].weight, engram.table1.weight):
+        assert type(weight).__name__ == QUANTIZED_TYPE[method]
     assert type(model.lm_head.weight) is nn.Parameter and type(model.boundary_predictor.q_proj.weight) is nn.Parameter
+    assert type(model.embed_tokens.weight) is nn.Parameter
     # what is read back is what the exporter quantized (int4: packed two per byte on disk)
     _, _, source = read_export(exports["fp32"])
     identity = ModelIdentity.of("spider", "debug", SPIDER_FLAVORS["debug"])
@@ -101,6 +111,30 @@ def test_a_quantized_export_loads_the_same_in_spider_titan_and_transformers(expo
     ours = generate(model, prompt, max_new_bytes=16, temperature=0)
     theirs = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
     assert len(ours) == 16 and list(ours) == theirs
+
+
+@pytest.mark.parametrize("method", weight_only.METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_table_dequantizes_the_rows_it_reads_as_torchao_does(method, dtype, monkeypatch):
+    """``embedding_rows`` on a quantized table equals torchao's own lookup (the whole table dequantized),
+    bit for bit, dequantizing only the rows read; on a plain table it is the plain lookup."""
+    torch.manual_seed(0)
+    table = nn.Embedding(300, 64).to(dtype)
+    ids = torch.randint(0, 300, (3, 5, 2))
+    assert torch.equal(embedding_rows(table, ids), table(ids))
+    plain = table.weight.detach().clone()
+    holder = nn.Sequential(table)
+    weight_only.apply_weight_only(holder, method, ["0"])
+    assert type(table.weight).__name__ == QUANTIZED_TYPE[method]
+    kind, dequantized = type(table.weight), []
+    whole = kind.dequantize
+    monkeypatch.setattr(kind, "dequantize", lambda self, *a: dequantized.append(self.shape[0]) or whole(self, *a))
+    got = embedding_rows(table, ids)
+    assert dequantized == [ids.numel()]  # 30 rows, not the table's 300
+    assert got.shape == (3, 5, 2, 64) and got.dtype == dtype
+    assert torch.equal(got, table(ids))  # torchao: F.embedding of the whole dequantized table
+    step = {"int8": 2 / 255, "int4": 2 / 15}[method] * plain.abs().max()
+    assert 0 < (got - plain[ids]).abs().max() <= step  # quantized, within a step of its scale
 
 
 def test_quantized_exports_are_smaller(exports):

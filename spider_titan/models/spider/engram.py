@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.common import HASH_ADD, HASH_BASE, HASH_MIX, HASH_PRIME
+from spider_titan.models.common import HASH_ADD, HASH_BASE, HASH_MIX, HASH_PRIME, embedding_rows
 
 _P, _BASE = HASH_PRIME, HASH_BASE
 _PAIR = 1_000_000_007 % _P
@@ -82,7 +82,8 @@ class Engram(nn.Module):
     def memory(self, bucket_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The segments' normalised keys and values, ``[key_norm(key_proj(e)), value_proj(e)]``: what
         does not depend on the state, computed once for every loop that reads it."""
-        e = torch.cat([self.table1(bucket_ids[..., 0]), self.table2(bucket_ids[..., 1])], dim=-1).to(dtype)
+        e1, e2 = embedding_rows(self.table1, bucket_ids[..., 0]), embedding_rows(self.table2, bucket_ids[..., 1])
+        e = torch.cat([e1, e2], dim=-1).to(dtype)
         return torch.cat([self.key_norm(self.key_proj(e)), self.value_proj(e)], dim=-1)
 
     def forward(self, h: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:

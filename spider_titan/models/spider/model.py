@@ -326,6 +326,7 @@ SPIDER_SPEC = ModelSpec(
     float8_skip_fqns=("boundary_predictor", "loop_embedding", "engram", "norm", "embed_tokens", "lm_head", "router"),
     # int4 costs +0.004-0.006 bpb more with lm_head quantized, +0.007 with the boundary predictor, nothing
     # measurable with core.inject (docs/benchmarks.md, "Quantized exports"); the routers pick experts and
-    # are read as weights (moe/layer.py), not called as modules, and are 0.04 % of 1B's parameters
-    quantize_keep_fqns=("lm_head", "boundary_predictor", "router"),
+    # are read as weights (moe/layer.py), not called as modules, and are 0.04 % of 1B's parameters; the byte and
+    # loop embeddings are a few hundred rows, while the hashed tables (byte n-grams, Engram) are quantized
+    quantize_keep_fqns=("lm_head", "boundary_predictor", "router", "embed_tokens", "loop_embedding"),
 )
