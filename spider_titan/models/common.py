@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from spider_titan.quantization.weight_only import is_quantized
+
 # SDPA backends, most preferred first. FlashAttention needs q, k and v of one head dim, so MLA's
 # (qk 192, v 128) would fall through to math with torch's default order on some builds; cuDNN and
 # the memory-efficient kernel take unequal dims. On CPU only flash (CPU) and math apply.
@@ -169,7 +171,7 @@ def embedding_rows(table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """``table(ids)``. A table an int8 / int4 export quantized (quantization/weight_only.py) dequantizes only
     the rows ``ids`` read; torchao's own embedding dequantizes the whole table at every lookup."""
     weight = table.weight
-    if not hasattr(weight, "tensor_data_names"):  # a plain tensor
+    if not is_quantized(weight):
         return table(ids)
     # torchao's subclasses hold data, scales and zero points with one row per table row: take the rows read
     rows = weight._apply_fn_to_data(lambda t: t[ids.flatten()]).dequantize()
