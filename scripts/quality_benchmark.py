@@ -14,7 +14,8 @@ count (Spider's ``aux["flops_per_byte"]``: the segments and loops actually run; 
 formula). A short probe run per row still sets the step cap (``--cap`` times its estimate) and the
 validation interval. ``--length steps`` plans ``--training.steps`` from the probe instead (over its
 second half, ``--margin`` more for Spider: how the tables before 2026-11-27 were made). The table
-reports the FLOPs each run really used.
+reports the FLOPs each run really used. A row that trains exactly what another requested row trains
+(``spider_fixed_segments`` at `small`, which ships fixed segments) is reported from it, not trained again.
 
 Outputs under ``--out``: one dump folder per run (``metrics.jsonl``), ``quality.md`` (the table)
 and ``quality.png`` (val bpb against training FLOPs). ``--plot-to`` also copies the picture
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,9 @@ STAGE_LR = ("--optimizer.lr_multipliers", '["*=2", "core=1"]')
 # Fixed segments: a boundary every target_bytes_per_segment bytes and the mean convention (a chunk the mean
 # of its bytes, byte t reads the chunk before its own), which beats the chunk-start convention there
 FIXED = ("--model.boundary_predictor", "fixed", "--model.chunk_convention", "mean")
+# Learned segments: H-Net's cosine routing and chunk-start convention (debug's and 1B's default; `small` trains
+# fixed segments since 2026-11-29)
+LEARNED = ("--model.boundary_predictor", "cosine", "--model.chunk_convention", "first")
 # The ratio loss's dead zone taken out (the loss pulling to the target from any rate)
 NO_BAND = ("--model.boundary_band", "0")
 # The dead zone's pull alike on both edges (the shipped model pulls rows above the band 0.3 as hard)
@@ -104,6 +108,12 @@ RUNS = [
         SPIDER_CONFIG,
         FIXED,
         "segments of exactly target_bytes_per_segment bytes (no learned boundaries), mean chunks",
+    ),
+    Run(
+        "spider_learned_segments",
+        SPIDER_CONFIG,
+        LEARNED,
+        "boundaries placed by the learned cosine predictor, chunk-start convention (the default but at `small`)",
     ),
     Run(
         "spider_fixed_stage_lr",
@@ -484,6 +494,32 @@ def run_overrides(args, run: Run | None = None) -> list[str]:
     return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed), *shlex.split(own)]
 
 
+def trained_as(run: Run, args):
+    """What ``run`` trains in this invocation: its model's arguments (flavor and overrides resolved) and the
+    rest of its job config, so that two rows that differ only in how they spell it compare equal."""
+    from spider_titan.config.manager import parse_args
+    from spider_titan.config.validate import model_args_and_problems
+
+    cfg = parse_args(["--job.config_file", run.config, *run.overrides, *run_overrides(args, run)])
+    model_args, _ = model_args_and_problems(cfg)
+    return model_args, replace(cfg, model=replace(cfg.model, overrides={}))
+
+
+def same_runs(runs: list[Run], args) -> dict[str, str]:
+    """Each run that trains exactly what an earlier one of ``runs`` trains (e.g. ``spider_fixed_segments``
+    at a flavor that ships fixed segments), mapped to that earlier run's name."""
+    seen: list[tuple[object, str]] = []
+    same = {}
+    for run in runs:
+        key = trained_as(run, args)
+        first = next((name for k, name in seen if k == key), None)
+        if first is None:
+            seen.append((key, run.name))
+        else:
+            same[run.name] = first
+    return same
+
+
 def arg_parser() -> argparse.ArgumentParser:
     """The command line (documented by ``--help``); quality_study.py builds its runs' arguments with it."""
     p = argparse.ArgumentParser(
@@ -553,12 +589,20 @@ def main(argv: list[str] | None = None) -> None:
     runs = [by_name[n] for n in args.runs.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    same = same_runs(runs, args)
+    for name, first in same.items():
+        print(f"[{name}] trains what {first} trains at --flavor {args.flavor}: reported from it, not run again")
+    own = [r for r in runs if r.name not in same]
 
     if args.report_only:
-        results = [res for r in runs if (res := load_result(r, out / r.name))["metrics"]]
+        done = {r.name: res for r in own if (res := load_result(r, out / r.name))["metrics"]}
     else:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            results = list(pool.map(lambda r: run_one(r, args), runs))
+            done = {r.name: res for r, res in zip(own, pool.map(lambda r: run_one(r, args), own))}
+    for run in runs:
+        if same.get(run.name) in done:
+            done[run.name] = {**done[same[run.name]], "run": replace(run, what=f"{run.what} (= {same[run.name]})")}
+    results = [done[r.name] for r in runs if r.name in done]
     summaries = [summarise(r) for r in results]
     md = table(summaries)
     for kind, extra in (("Spider", args.spider_set), ("Dense", args.dense_set)):

@@ -37,10 +37,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
-from quality_benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, summarise
+from quality_benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, same_runs, summarise
 
 ORDER = [r.name for r in RUNS]
-MAIN = ("dense", "spider", "spider_fixed_segments", "spider_fixed_stage_lr", "spider_stage_lr")
+MAIN = (
+    "dense",
+    "spider",
+    "spider_fixed_segments",
+    "spider_learned_segments",
+    "spider_fixed_stage_lr",
+    "spider_stage_lr",
+)
 
 
 @dataclass
@@ -218,33 +225,50 @@ def cell_dir(out: Path, scale: str, corpus: str, seed: int) -> Path:
 
 def run_study(study: Study, args) -> list[str]:
     """Every (cell, seed, run) of ``study`` through quality_benchmark.run_one, ``args.jobs`` at a time, all
-    stopped at ``args.minutes`` after the start; the runs left unfinished, as 'cell seed run: why'."""
+    stopped at ``args.minutes`` after the start; the runs left unfinished, as 'cell seed run: why'. A run that
+    trains what another run of its cell trains (quality_benchmark.same_runs) is linked to it, not run again."""
     deadline = time.time() + 60 * args.minutes
     by_name = {r.name: r for r in RUNS}
-    tasks = [(c, seed, name) for c in study.cells for seed in study.seeds for name in study.runs]
-    tasks.sort(key=lambda t: -t[0][2])  # the largest budgets first, so the short runs fill in behind them
 
-    def one(task) -> str | None:
-        (scale, corpus, budget), seed, name = task
+    def bench_args(scale: str, corpus: str, budget: float, seed: int):
         data = args.prose if corpus == "prose" else None
-        out = cell_dir(Path(args.out), scale, corpus, seed)
-        out.mkdir(parents=True, exist_ok=True)
-        bench = arg_parser().parse_args(  # quality_benchmark.py's own defaults, with the cell's budget and data
+        return arg_parser().parse_args(  # quality_benchmark.py's own defaults, with the cell's budget and data
             ["--flavor", scale, "--seed", str(seed), "--flops", str(budget), "--threads", str(args.threads)]
             + ["--probe-steps", str(args.probe_steps), "--val-points", str(args.val_points)]
             + ["--eval-loops", "trained,max"]
             + (["--data", data] if data else [])
         )
+
+    same = {
+        (cell, seed): same_runs([by_name[n] for n in study.runs], bench_args(*cell, seed))
+        for cell in study.cells
+        for seed in study.seeds
+    }
+    tasks = [(c, seed, n) for c in study.cells for seed in study.seeds for n in study.runs if n not in same[c, seed]]
+    tasks.sort(key=lambda t: -t[0][2])  # the largest budgets first, so the short runs fill in behind them
+
+    def one(task) -> str | None:
+        (scale, corpus, budget), seed, name = task
+        out = cell_dir(Path(args.out), scale, corpus, seed)
+        out.mkdir(parents=True, exist_ok=True)
         label = f"{scale}/{corpus} seed {seed} {name}"
         try:
-            run_one(by_name[name], bench, out=out, deadline=deadline)
+            run_one(by_name[name], bench_args(scale, corpus, budget, seed), out=out, deadline=deadline)
         except (OutOfTime, RuntimeError) as e:
             print(f"[{label}] not finished: {e}", flush=True)
             return f"{label}: {'out of time' if isinstance(e, OutOfTime) else 'failed'}"
         return None
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        return [m for m in pool.map(one, tasks) if m]
+        unfinished = [m for m in pool.map(one, tasks) if m]
+    for ((scale, corpus, _), seed), twins in same.items():
+        out = cell_dir(Path(args.out), scale, corpus, seed)
+        for name, first in twins.items():
+            if (out / first).is_dir():
+                (out / name).unlink(missing_ok=True)
+                (out / name).symlink_to(first, target_is_directory=True)
+                print(f"[{scale}/{corpus} seed {seed} {name}] trains what {first} trains: linked to it", flush=True)
+    return unfinished
 
 
 def pooled(values: list[tuple[float, float]]) -> tuple[float, float]:

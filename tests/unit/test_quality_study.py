@@ -75,6 +75,35 @@ def test_every_benchmark_row_is_a_valid_config(monkeypatch):
             assert cfg.model.name in ("spider", "dense") and cfg.model.flavor == flavor, run.name
 
 
+def test_a_row_that_trains_the_default_is_not_run_again(monkeypatch, tmp_path):
+    """A row whose overrides resolve to what another requested row trains (fixed segments at `small`, which
+    ships them; learned ones at debug) is reported from that row, not trained twice; rows that differ in the
+    model or the rest of the job are run."""
+    from tests.utils import REPO
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.chdir(REPO)
+    qb = importlib.import_module("quality_benchmark")
+    ran = []
+
+    def fake_run_one(run, args, out=None, deadline=None):
+        ran.append(run.name)
+        fake_run(Path(args.out), run.name, flops=args.flops, bpb={"spider": 1.5}.get(run.name, 1.6))
+        return qb.load_result(run, Path(args.out) / run.name)
+
+    monkeypatch.setattr(qb, "run_one", fake_run_one)
+    monkeypatch.setattr(qb, "plot", lambda *a, **k: None)
+    rows = "spider,spider_fixed_segments,spider_learned_segments,spider_stage_lr"
+    for flavor, twin in (("small", "spider_fixed_segments"), ("debug", "spider_learned_segments")):
+        ran.clear()
+        out = tmp_path / flavor
+        qb.main(["--flavor", flavor, "--runs", rows, "--out", str(out)])
+        assert twin not in ran and sorted(ran) == sorted(set(rows.split(",")) - {twin}), ran
+        got = {r["name"]: r for r in json.loads((out / "quality.json").read_text())}
+        assert list(got) == rows.split(",") and got[twin]["val_bpb"] == got["spider"]["val_bpb"] == 1.5
+        assert all(got[n]["val_bpb"] == 1.6 for n in got if n not in ("spider", twin))
+
+
 def depth_run(folder, name, *, flops, bpb, options):
     """A finished run with eval_loops rows: the trained depth first, then (loops, scale, diff, se) options."""
     fake_run(folder, name, flops=flops, bpb=bpb)
@@ -117,11 +146,15 @@ def test_depth_study_aims_per_cell(main, tmp_path):
 
 
 def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, monkeypatch):
-    """--study runs each (cell, seed, run) once, with the cell's budget, flavor, seed and corpus, and a run
-    stopped at the deadline is listed, not counted."""
+    """--study runs each (cell, seed, run) once, with the cell's budget, flavor, seed and corpus; a run
+    stopped at the deadline is listed, not counted; a run that trains what another of its cell trains
+    (fixed segments at `small`, which ships them) is linked to it, not run."""
     import quality_benchmark
     import quality_study
 
+    from tests.utils import REPO
+
+    monkeypatch.chdir(REPO)  # the rows' job configs are relative to the repository
     prose = tmp_path / "prose"
     (prose / "train").mkdir(parents=True)
     calls = []
@@ -130,14 +163,14 @@ def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, mo
         extra = quality_benchmark.run_overrides(bench)
         calls.append((run.name, bench.flops, bench.data, tuple(extra), out.name))
         assert deadline > 0
-        if run.name == "spider_fixed_segments" and "small" in extra:
+        if run.name == "spider_depth" and "debug" in extra:
             raise quality_benchmark.OutOfTime("stopped at the deadline")
-        fake_run(out, run.name, flops=bench.flops, bpb=2.0)
+        fake_run(out, run.name, flops=bench.flops, bpb=2.0 if run.name == "spider" else 2.1)
         return {}
 
     monkeypatch.setattr(quality_study, "run_one", fake_run_one)
     main(["--study", "depth", "--out", str(tmp_path / "o"), "--prose", str(prose), "--jobs", "2"])
-    assert len(calls) == 4 * 2 * 3
+    assert len(calls) == 4 * 2 * 3 - 4 and not any(c[0] == "spider_fixed_segments" and "small" in c[3] for c in calls)
     small_prose = [c for c in calls if "small" in c[3] and c[2] is not None]
     assert {c[1] for c in small_prose} == {4e13} and all(str(prose.resolve()) in c[3] for c in small_prose)
     assert {c[4] for c in calls} == {
@@ -145,9 +178,12 @@ def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, mo
     }
     report = json.loads((tmp_path / "o" / "study.json").read_text())
     assert sorted(report["unfinished"]) == sorted(
-        f"small/{c} seed {k} spider_fixed_segments: out of time" for c in ("built-in", "prose") for k in (0, 1)
+        f"debug/{c} seed {k} spider_depth: out of time" for c in ("built-in", "prose") for k in (0, 1)
     )
     assert len(report["runs"]) == 4 * 2 * 3 - 4
+    linked = [r for r in report["runs"] if r["name"] == "spider_fixed_segments" and r["scale"] == "small"]
+    assert len(linked) == 4 and all(r["val_bpb"] == 2.0 for r in linked)
+    assert (quality_study.cell_dir(tmp_path / "o", "small", "prose", 1) / "spider_fixed_segments").is_symlink()
 
 
 def test_study_needs_its_prose_corpus(main, tmp_path):

@@ -278,7 +278,12 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # (``hashed_byte_ngrams``: "Byte n-grams", "32,768 buckets"), their tables trained at 8x the learning rate
     # ("The n-gram tables' learning rate"), 6 bytes per segment (-0.013, four paired runs; "6 bytes per
     # segment") and one core loop (-0.015, four paired runs at equal FLOPs; "One core loop as `small`'s default").
+    # Fixed 6-byte segments with mean chunks, no learned boundaries (-0.010 over six paired runs on three corpora,
+    # ahead on text it never trained on; "Fixed segments as `small`'s default"); ``boundary_dim`` is the learned
+    # predictor's width where a run asks for one (``--model.boundary_predictor cosine``).
     "small": SpiderArgs(
+        boundary_predictor="fixed",
+        chunk_convention="mean",
         boundary_dim=32,
         dim=256,
         kv_lora_rank=64,
