@@ -239,21 +239,19 @@ def run_study(study: Study, args) -> list[str]:
             + (["--data", data] if data else [])
         )
 
-    same = {
-        (cell, seed): same_runs([by_name[n] for n in study.runs], bench_args(*cell, seed))
-        for cell in study.cells
-        for seed in study.seeds
-    }
+    benches = {(cell, seed): bench_args(*cell, seed) for cell in study.cells for seed in study.seeds}
+    same = {key: same_runs([by_name[n] for n in study.runs], bench) for key, bench in benches.items()}
     tasks = [(c, seed, n) for c in study.cells for seed in study.seeds for n in study.runs if n not in same[c, seed]]
     tasks.sort(key=lambda t: -t[0][2])  # the largest budgets first, so the short runs fill in behind them
 
     def one(task) -> str | None:
-        (scale, corpus, budget), seed, name = task
+        cell, seed, name = task
+        scale, corpus, _ = cell
         out = cell_dir(Path(args.out), scale, corpus, seed)
         out.mkdir(parents=True, exist_ok=True)
         label = f"{scale}/{corpus} seed {seed} {name}"
         try:
-            run_one(by_name[name], bench_args(scale, corpus, budget, seed), out=out, deadline=deadline)
+            run_one(by_name[name], benches[cell, seed], out=out, deadline=deadline)
         except (OutOfTime, RuntimeError) as e:
             print(f"[{label}] not finished: {e}", flush=True)
             return f"{label}: {'out of time' if isinstance(e, OutOfTime) else 'failed'}"
