@@ -271,10 +271,10 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # Hashed byte n-grams of lengths 3-8, 2,048 buckets each (-0.354, four paired runs; "Byte n-grams as debug's
     # default").
     "debug": SpiderArgs(boundary_dim=32, n_loops=1, **hashed_byte_ngrams(2048)),
-    # 3.5x the two-loop debug's training FLOPs per byte (4.1x at 4 bytes per segment and 2 loops; seq 256; 56.9 M
+    # 3.5x the two-loop debug's training FLOPs per byte (4.0x at 4 bytes per segment and 2 loops; seq 256; 54.6 M
     # parameters, 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md),
-    # every width doubled, the structure of debug kept, except an Engram in both core blocks with 8,192 buckets
-    # (-0.044 bpb, four paired runs; docs/experiments.md, "More Engram"), hashed byte n-grams of lengths 3-8
+    # every width doubled, the structure of debug kept, except no Engram (level on the corpus it trains on, ahead
+    # on text it never saw; docs/experiments.md, "No Engram at `small`"), hashed byte n-grams of lengths 3-8
     # (``hashed_byte_ngrams``: "Byte n-grams", "32,768 buckets"), their tables trained at 8x the learning rate
     # ("The n-gram tables' learning rate"), 6 bytes per segment (-0.013, four paired runs; "6 bytes per
     # segment") and one core loop (-0.015, four paired runs at equal FLOPs; "One core loop as `small`'s default").
@@ -292,9 +292,7 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         v_head_dim=64,
         inter_dim=704,
         moe_inter_dim=160,
-        engram_layers=[0, 1],
-        engram_buckets=8192,
-        engram_dim=64,
+        engram_layers=[],
         target_bytes_per_segment=6.0,
         n_loops=1,
         **hashed_byte_ngrams(32768),
