@@ -4,7 +4,7 @@ Why a table: the tile sizes decide register pressure. At 32 x 256 tiles and 4 wa
 (both forms), the weighted reduce and the weight-gradient kernel compiled to the 255-register cap
 on sm_90 and spilled 8-96 B per thread (int64 row offsets for every element of the tile). The
 tiles below compile without a spill for sm_90 and sm_100 at the 1B shapes; the register table and
-the command that measures it are in docs/benchmarks.md ("Triton MoE kernels: registers"), and
+the command that measures it are in docs/benchmarks.md ("MoE layer and kernels"), and
 ``tests/unit/test_triton_aot.py`` compiles every launch :func:`launch_plan` lists and fails on a
 spill. Change a tile here and that test tells whether it still fits.
 
