@@ -1,16 +1,75 @@
 """The few collectives everyone shares: sums over ranks (plain and differentiable), a gather, the world size and
-the gradient-norm clip across meshes. No-ops in a single process; below models, MoE and parallel code
-in the layering (docs/architecture.md), so any of them may use these."""
+the gradient-norm clip across meshes; the process group's start under torchrun and the collectives' timeout.
+No-ops in a single process; below models, MoE and parallel code in the layering (docs/architecture.md), so
+any of them may use these."""
 
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
+
+
+def init_process_group(backend: str, *, timeout_s: float) -> None:
+    """Join the job's default process group, its collectives bounded by ``timeout_s`` seconds.
+
+    Under torchrun the workers' store is, by default, the TCP store of torchrun's own rendezvous,
+    shared by every restart of the job (``TORCHELASTIC_USE_AGENT_STORE=True``). A restarted worker then
+    meets the keys the workers before it wrote there and hangs or fails to connect in gloo's
+    ``connectFullMesh`` (pytorch/pytorch#135712, #167288). scripts/run_train.sh sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each restart gets a fresh store); for a bare ``torchrun``
+    the group's keys live under a prefix of their own per start: each global rank counts its starts in
+    the shared store (an atomic add), and every restart starts every rank once, so the counts agree on
+    every node. ``TORCHELASTIC_RESTART_COUNT`` cannot serve: it counts per node (pytorch/pytorch#108158)."""
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False, timeout=timeout
+    )
+    start = shared.add(f"spider_titan/starts/rank{rank}", 1)
+    store = dist.PrefixStore(f"spider_titan/start{start}/", shared)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group's collectives now give up after ``seconds`` (a rank that died, hangs or is
+    stopped: the others raise instead of waiting out the library's 10 or 30 minutes, or for ever).
+    Groups made later start with torch's default; call again after making one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+# How gloo and NCCL word a collective whose peer is gone or silent (RuntimeError or torch's DistError).
+_TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused", "aborted")
+_BACKENDS = ("gloo", "NCCL", "nccl", "c10d", "ProcessGroup")
+
+
+def collective_failure(e: BaseException) -> str | None:
+    """``timeout`` (another rank did not answer in time), ``lost`` (its connection closed) or None
+    (``e`` is not a collective's failure)."""
+    if not isinstance(e, RuntimeError):
+        return None
+    text = str(e)
+    if not (isinstance(e, dist.DistError) or any(b in text for b in _BACKENDS)):
+        return None
+    if any(t in text for t in _TIMED_OUT):
+        return "timeout"
+    if isinstance(e, dist.DistError) or any(t in text for t in _LOST):
+        return "lost"
+    return None
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

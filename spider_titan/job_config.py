@@ -330,6 +330,18 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: float = ranged(300.0, low=0.0, low_open=True)
+    """Seconds a rank waits for the others while the run starts: the process group's rendezvous and
+    every collective up to the end of the first step (checkpoint load, FSDP's first all-gathers)."""
+    train_timeout_seconds: float = ranged(100.0, low=0.0, low_open=True)
+    """Seconds a rank waits in a collective after the first step before it stops with one line naming
+    the step and the collective's phase (another rank died, hangs or is stopped); checkpoint saves,
+    validation and the end-of-run work wait ``init_timeout_seconds``. torchrun then restarts the job
+    from the newest complete checkpoint (``--max-restarts``) or ends it."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = ranged(10, low=1)
     """Steps between console/TensorBoard lines."""
@@ -398,6 +410,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     moe: MoE = field(default_factory=MoE)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     calibration: Calibration = field(default_factory=Calibration)

@@ -16,8 +16,10 @@ import gc
 import hashlib
 import logging
 import os
+import re
 import signal
 import sys
+import tempfile
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -28,14 +30,21 @@ from torch.profiler import record_function
 
 from spider_titan.checkpoint import build_checkpointer
 from spider_titan.checkpoint.export import check_export_target, export_command
+from spider_titan.checkpoint.layout import good_checkpoint_reason, is_complete, list_checkpoints
 from spider_titan.checkpoint.lock import acquire_run_lock
 from spider_titan.checkpoint.run_folder import claim_run_folder, record_run_end, write_run_record
 from spider_titan.components.builder import Run, build_run
 from spider_titan.config.help import help_text, to_toml
 from spider_titan.config.manager import ConfigError, parse_args
 from spider_titan.data.shards import DataError
-from spider_titan.distributed import all_reduce_sum, clip_grad_norm_
-from spider_titan.errors import WriteFailed, describe_failure
+from spider_titan.distributed import (
+    all_reduce_sum,
+    clip_grad_norm_,
+    collective_failure,
+    init_process_group,
+    set_collective_timeout,
+)
+from spider_titan.errors import WriteFailed, describe_failure, free_bytes
 from spider_titan.job_config import JobConfig
 from spider_titan.metrics.logger import setup_logging, shell_command
 from spider_titan.metrics.profiling import maybe_profile
@@ -64,11 +73,15 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         setup_logging(self.rank)
+        # What the run waits on in a collective now, for the line a lost or silent rank ends it with;
+        # collectives wait comm.init_timeout_seconds until the first step is done, then the train timeout.
+        self.doing = "start-up"
+        self.timeout = ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
         if self.world_size > 1 and not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() and cfg.training.device != "cpu" else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            init_process_group(backend, timeout_s=cfg.comm.init_timeout_seconds)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dump_folder = Path(cfg.job.dump_folder)
@@ -79,7 +92,9 @@ class Trainer:
 
         def claim() -> None:
             config_hash = hashlib.sha256(to_toml(cfg).encode()).hexdigest()[:16]
-            self.run_record = claim_run_folder(self.dump_folder, cfg, config_hash=config_hash)
+            self.run_record = claim_run_folder(
+                self.dump_folder, cfg, config_hash=config_hash, world_size=self.world_size
+            )
 
         export_check = partial(
             check_export_target,
@@ -162,7 +177,58 @@ class Trainer:
             val_tokens=self.validator.pass_tokens() if self.validator is not None else 0,
         )
         self.best_val: tuple[float, int] | None = None  # (val bpb, step)
+        set_collective_timeout(cfg.comm.init_timeout_seconds)  # every group made so far (meshes, the stop signal's)
         log_start_block(cfg, run, self.dump_folder)
+
+    # ------------------------------------------------------------------ collectives
+
+    @contextmanager
+    def _waiting(self, doing: str, *, long: bool = False):
+        """Collectives inside wait on ``doing`` (named by the line a lost or silent rank ends the run
+        with); ``long``: for work slower than a step (a save, a validation, the end of the run), they
+        wait comm.init_timeout_seconds, not the train timeout."""
+        before, timeout = self.doing, self.timeout
+        self.doing = doing
+        if long and timeout[0] != "comm.init_timeout_seconds":
+            self._set_timeout("comm.init_timeout_seconds", self.cfg.comm.init_timeout_seconds)
+        yield  # left as it is when a collective fails inside: the line names it
+        self.doing = before
+        if self.timeout != timeout:
+            self._set_timeout(*timeout)
+
+    def _set_timeout(self, name: str, seconds: float) -> None:
+        self.timeout = (name, seconds)
+        if self.world_size > 1:
+            set_collective_timeout(seconds)
+
+    def collective_line(self, e: BaseException, kind: str) -> str:
+        """The one line a failed collective (``kind``: ``timeout`` / ``lost``, see
+        distributed.collective_failure) ends this rank with: its rank, the step, what it waited on,
+        the newest complete checkpoint, and what happens next."""
+        what = waited_for(kind, *self.timeout)
+        signum = getattr(getattr(self, "stop", None), "signum", None)
+        by = f"; {signal.Signals(signum).name} from the launcher" if signum is not None else ""
+        ck = self.cfg.checkpoint
+        kept = None
+        if ck.enable and getattr(self, "checkpointer", None) is not None:
+            kept = next(
+                (
+                    p
+                    for _, p in reversed(list_checkpoints(self.checkpointer.folder))
+                    if good_checkpoint_reason(p) is None
+                ),
+                None,
+            )
+        if kept is not None:
+            saved = f"the newest complete checkpoint is {kept}: torchrun --max-restarts resumes from it, as does the same command"
+        elif ck.enable:
+            saved = "no complete checkpoint yet: a restart begins at step 0"
+        else:
+            saved = "nothing saved (checkpoint.enable = false)"
+        return (
+            f"rank {self.rank}: stopped at step {self.state.step}{by}, waiting in {self.doing}: {what} "
+            f"[{first_line(e)}]; {saved}"
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -302,19 +368,15 @@ class Trainer:
             logger.info(
                 "step %d, the last, is trained: its calibration, validation, final save and export follow", start_step
             )
-            if not self._calibrate(start_step):
-                return self._stop(start_step, ", during its calibration (not applied)")
-            val = self.validator() if self.validator is not None else {}
-            if val is None:
-                return self._stop(start_step, ", during the final validation")
-            if val:
-                self._report_validation(start_step, val)
-            self.checkpointer.maybe_save(start_step, last=True)
+            return self._end_of_run(start_step)
         budget = run.flops_budget
         while not self._trained():
             step = self.state.step + 1
-            metrics = self.train_step(self.next_micro_batches(), step)
+            with self._waiting(f"step {step}'s collectives (forward, backward, gradients)"):
+                metrics = self.train_step(self.next_micro_batches(), step)
             self.state.step = step
+            if step == start_step + 1:  # the first step is done (FSDP's first gathers, compiles): the train timeout
+                self._set_timeout("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
             if profiler is not None:
                 profiler.step()
             last = self._trained()
@@ -328,31 +390,52 @@ class Trainer:
                 )
             log_now = step % cfg.metrics.log_freq == 0 or step == start_step + 1 or last
             val_now = self.validator is not None and (step % cfg.validation.freq == 0 or last)
-            stopping = self.stop.requested()  # at the last step too: its validation and export may take minutes
+            with self._waiting(f"the stop-signal check after step {step}"):
+                stopping = self.stop.requested()  # at the last step too: its validation and export may take minutes
             save_now = self.checkpointer.save_due(step, last=last, stopping=stopping)
-            if log_now or val_now or save_now:
-                self.health.check(step)  # never log, validate or save past a bad step
-                if budget is None:
-                    self.progress.fold_flops()
-            if log_now:
-                scalars = reduce_metrics(metrics, self.world_size)
-                scalars.update(self.progress.step_scalars(step, lr=run.lr_scheduler.get_last_lr()[0]))
-                run.metric_logger.log(step, scalars)
-                if self.rank == 0:
-                    self.drops.log_step(step, scalars.get("segments_dropped"))
-                self.progress.new_interval()
-            if last and not stopping and not self._calibrate(step):
-                return self._stop(step, ", the last, during its calibration (not applied)")
-            if val_now and not stopping:
-                val = self.progress.timed_validation(self.validator)
+            with self._waiting(f"the metrics of step {step}"):
+                if log_now or val_now or save_now:
+                    self.health.check(step)  # never log, validate or save past a bad step
+                    if budget is None:
+                        self.progress.fold_flops()
+                if log_now:
+                    scalars = reduce_metrics(metrics, self.world_size)
+                    scalars.update(self.progress.step_scalars(step, lr=run.lr_scheduler.get_last_lr()[0]))
+                    run.metric_logger.log(step, scalars)
+                    if self.rank == 0:
+                        self.drops.log_step(step, scalars.get("segments_dropped"))
+                    self.progress.new_interval()
+            if stopping:
+                return self._stop(step, ", the last (resuming runs its end-of-run work)" if last else "")
+            if last:
+                return self._end_of_run(step)
+            if val_now:
+                with self._waiting(f"the validation at step {step}", long=True):
+                    val = self.progress.timed_validation(self.validator)
                 if val is None:  # a signal during validation: abandoned, nothing of it reported
                     return self._stop(step, ", during its validation (not reported)")
                 self._report_validation(step, val)
                 self.progress.new_interval()
-            if stopping:
-                return self._stop(step, ", the last (resuming runs its end-of-run work)" if last else "")
-            self.checkpointer.maybe_save(step, last=last)
-        return self._export_at_end(self.state.step)
+            with self._waiting(f"the checkpoint save of step {step}", long=True):
+                self.checkpointer.maybe_save(step)
+        return self._end_of_run(self.state.step)  # nothing to train (training.steps = 0)
+
+    def _end_of_run(self, step: int) -> int:
+        """The end of a trained run, written in this one place whether the last step was just trained
+        or a resume found it trained: the calibration, the final validation, the final save, the export
+        and the closing lines; the exit status. A stop signal during them ends the run through :meth:`_stop`
+        (a resume then runs them again)."""
+        with self._waiting(f"the end-of-run work after step {step}", long=True):
+            if step > 0 and not self._calibrate(step):
+                return self._stop(step, ", the last, during its calibration (not applied)")
+            if step > 0 and self.validator is not None:
+                val = self.progress.timed_validation(self.validator)
+                if val is None:
+                    return self._stop(step, ", the last, during the final validation (not reported)")
+                self._report_validation(step, val)
+            if step > 0:
+                self.checkpointer.maybe_save(step, last=True)
+            return self._export_at_end(step)
 
     def _trained(self) -> bool:
         """The run's length is reached: its steps, or its FLOPs budget."""
@@ -386,12 +469,15 @@ class Trainer:
         """A signal stopped the run after ``step``: keep the model and say how to go on; the exit status.
         With checkpoints, a full checkpoint there (a resume point, also at the last step); without,
         the weights of ``step`` are exported (when the run exports at all), so a stop loses no training."""
-        self.health.check(step)  # never save past a bad step
-        self.checkpointer.maybe_save(step, stopping=True)
-        ck = self.cfg.checkpoint
-        exported = not ck.enable and ck.export_at_end
-        if exported:
-            self.checkpointer.export_at_end(step)  # well under a second at debug size; a second signal stops at once
+        with self._waiting(f"the stop's save of step {step}", long=True):
+            self.health.check(step)  # never save past a bad step
+            self.checkpointer.maybe_save(step, stopping=True)
+            ck = self.cfg.checkpoint
+            exported = not ck.enable and ck.export_at_end
+            if exported:
+                self.checkpointer.export_at_end(
+                    step
+                )  # well under a second at debug size; a second signal stops at once
         name = signal.Signals(self.stop.signum).name
         if self.rank == 0:
             record_run_end(self.dump_folder, self.run_record, state="stopped", step=step)
@@ -428,7 +514,7 @@ class Trainer:
         if ck.export_at_end:
             saved = self.checkpointer.folder / f"step-{step}"  # written at the last step when checkpoints are on
             if not ck.enable:  # decided by the config, never by a folder rank 0 may not have renamed yet
-                self.checkpointer.export_at_end(step)
+                self._export_all_it_keeps(step)
                 if self.stop.signum is not None and self.rank == 0:
                     logger.warning(
                         "%s received during the end-of-run export: the export was finished first (it is all "
@@ -459,15 +545,73 @@ class Trainer:
             record_run_end(self.dump_folder, self.run_record, state="finished", step=step)
         elapsed = self.progress.elapsed()  # before latest_good(), which waits for a save in flight
         good = self.checkpointer.latest_good()
+        final = self.checkpointer.folder / f"step-{step}"  # the last step's save (checkpoints on)
         log_end_block(
             self.cfg,
             self.state,
             self.dump_folder,
             elapsed=elapsed,
             best_val=self.best_val,
-            last_checkpoint=good[1] if good is not None else None,
+            final_save=final if ck.enable and step > 0 and is_complete(final) else None,
+            resume_point=good[1] if good is not None else None,
         )
         return 0
+
+    def _export_all_it_keeps(self, step: int) -> None:
+        """The end-of-run export when it is all the run keeps (checkpoint.enable = false). When it cannot
+        be written (a full disk), the weights go to the first of the temporary folders and the home
+        folder that has room for them, and the run ends with one line saying where and how to move them
+        into place; when none has room, the line says that the weights of ``step`` are lost and why."""
+        failed: WriteFailed | None = None
+        try:
+            self.checkpointer.export_at_end(step)
+        except WriteFailed as e:  # rank 0's, which writes it
+            failed = e
+        box: list = [str(failed) if failed is not None else None, None]
+        if self.rank == 0 and failed is not None:
+            need, box[1] = self._spare_export_folder(step)
+            box.append(need)
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.stop.group)
+        if box[0] is None:
+            return
+        why, spare = box[0], box[1]
+        out = self.dump_folder / "export"
+        if spare is None:
+            raise WriteFailed(
+                f"{why}; checkpoint.enable = false, so the trained weights of step {step} are lost: no temporary "
+                f"or home folder has the {box[2] / 1e6:.0f} MB they need; free space on the disk of {out}, and "
+                "turn checkpoints on (--checkpoint.enable true) to keep a resume point"
+            ) from failed
+        try:
+            self.checkpointer.export(Path(spare), step=step)
+        except WriteFailed as e:
+            raise WriteFailed(
+                f"{why}; checkpoint.enable = false, and the weights of step {step} could not be written to "
+                f"{spare} either ({e}): they are lost"
+            ) from failed
+        raise WriteFailed(
+            f"{why}; checkpoint.enable = false, so the weights of step {step} were exported to {spare} instead, "
+            f"which has room: free space, then move them with: mv {spare} {out}"
+        ) from failed
+
+    def _spare_export_folder(self, step: int) -> tuple[int, str | None]:
+        """(bytes the export needs, a new folder name with room for them, or None)."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.cfg.checkpoint.export_dtype)).element_size()
+        need = sum(t.numel() for t in self.run.model.state_dict().values()) * itemsize
+        places = [os.environ.get("TMPDIR"), tempfile.gettempdir(), "/var/tmp", str(Path.home())]
+        run_id = (self.run_record or {}).get("run_id", "run")
+        for place in dict.fromkeys(p for p in places if p):
+            room = free_bytes(Path(place))
+            if not Path(place).is_dir() or not os.access(place, os.W_OK) or room is None or room < need * 1.1 + 2**20:
+                continue
+            name = Path(place) / f"spider_titan-{run_id}-export-step-{step}"
+            n = 1
+            while name.exists():
+                n += 1
+                name = Path(place) / f"spider_titan-{run_id}-export-step-{step}-{n}"
+            return need, str(name)
+        return need, None
 
     def close(self) -> None:
         data_iter = getattr(self, "data_iter", None)
@@ -486,6 +630,22 @@ class Trainer:
         lock = getattr(self, "run_lock", None)
         if lock is not None:
             lock.release()
+
+
+def waited_for(kind: str, name: str, seconds: float) -> str:
+    """What a failed collective of ``kind`` (distributed.collective_failure) means, under the timeout ``name``."""
+    if kind == "timeout":
+        return f"no answer from another rank within {name} = {seconds:g} s (it hangs, is stopped or is gone)"
+    return "another rank is gone (its connection closed: the process died or was killed)"
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The library's own words for ``e``: its first sentence, without the source location gloo puts first."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text.splitlines()[0])
+    return text.split(". ")[0][:limit]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,6 +699,16 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             return code
     except Exception as e:  # a full or read-only disk, out of memory: one line naming it and the fix
+        kind = collective_failure(e)
+        if kind is not None:  # another rank is gone or silent: every rank left says so, with its rank
+            logger.debug("collective failed", exc_info=True)
+            if trainer is not None:
+                print(f"error: {trainer.collective_line(e, kind)}", file=sys.stderr)
+            else:
+                what = waited_for(kind, "comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+                rank = os.environ.get("RANK", "0")
+                print(f"error: rank {rank}: stopped during start-up: {what} [{first_line(e)}]", file=sys.stderr)
+            return 1
         line = describe_failure(e, f"step {trainer.state.step + 1}" if trainer is not None else "start-up")
         if line is None:
             raise

@@ -6,12 +6,18 @@ and at which step. A later start in the same folder (:func:`claim_run_folder`, u
 
 - resumes the run when checkpointing is on and a full or unreadable ``step-<N>`` checkpoint is
   there (the checkpointer loads the newest that loads, or refuses; it never trains over them);
+- starts it again from step 0 when it is a restart of the same launch by torchrun (``--max-restarts``:
+  the same ``TORCHELASTIC_RUN_ID`` and config, its end not recorded) before its first full checkpoint;
 - takes the folder over when the earlier run wrote nothing but its config (it stopped at start-up);
 - with ``job.overwrite``, deletes the files the earlier run wrote and starts a new run;
 - otherwise refuses with one line naming the run and the two ways on.
 
 A non-empty folder without ``run.json`` was not made by this project and is refused whatever the
 flags (a folder of checkpoints written before ``run.json`` existed is adopted).
+
+What is deleted is named exactly: each entry of ``run.json``'s ``outputs`` is a plain relative name
+in the folder (no pattern, no ``..``, no absolute path, not the lock or ``run.json`` itself, not
+reached through a symbolic link); a ``run.json`` with any other entry is refused, nothing deleted.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -35,9 +42,9 @@ EXPORT_FOLDER = "export"
 logger = logging.getLogger("spider_titan")
 
 
-def run_outputs(cfg: JobConfig) -> list[str]:
-    """What a run with ``cfg`` may write in its dump folder, as names (or glob patterns) relative to
-    it; folders that ``cfg`` puts outside the dump folder are not listed: they are not the folder's."""
+def run_outputs(cfg: JobConfig, world_size: int = 1) -> list[str]:
+    """What a run with ``cfg`` on ``world_size`` ranks may write in its dump folder, as exact names
+    relative to it; folders that ``cfg`` puts outside the dump folder are not listed: they are not the folder's."""
     names = [
         CONFIG_FILE,
         "metrics.jsonl",
@@ -48,7 +55,7 @@ def run_outputs(cfg: JobConfig) -> list[str]:
         cfg.profiling.save_traces_folder,
     ]
     if not cfg.metrics.rank_0_only:  # every rank logs: metrics_rank<r>.jsonl (and tb/rank_<r>/)
-        names.append("metrics_rank*.jsonl")
+        names += [f"metrics_rank{r}.jsonl" for r in range(world_size)]
     return [n for n in dict.fromkeys(names) if _inside(n)]
 
 
@@ -56,6 +63,48 @@ def _inside(name: str) -> bool:
     """A relative name that stays inside the folder (no absolute path, no ``..``)."""
     path = Path(name)
     return bool(name) and not path.is_absolute() and ".." not in path.parts
+
+
+# A name run.json may list: the folder's own files (the lock, the record) are never outputs.
+_NOT_OUTPUTS = (LOCK_FILE, RUN_FILE, f".{RUN_FILE}.tmp")
+
+
+def _plain_name_problem(folder: Path, name: Any) -> str | None:
+    """Why ``name`` (an entry of run.json's ``outputs``) is not a plain name of something in ``folder``
+    that a run wrote, or None when it is one."""
+    if not isinstance(name, str) or not name:
+        return "not a name"
+    if any(c in name for c in "*?[]"):
+        return "a pattern, not a name"
+    path = Path(name)
+    if path.is_absolute() or ".." in path.parts or "." in path.parts or name != path.as_posix():
+        return "not a plain relative name inside the folder"
+    if path.parts[0] in _NOT_OUTPUTS:
+        return "the folder's own lock or run record"
+    parent = folder
+    for part in path.parts[:-1]:  # a link on the way would lead out of the folder
+        parent = parent / part
+        if parent.is_symlink():
+            return f"reached through the symbolic link {parent}"
+    return None
+
+
+def _outputs(folder: Path, run: dict[str, Any], cfg: JobConfig) -> list[str]:
+    """The names run.json says its run wrote; ValueError naming the first entry that is not a plain name."""
+    outputs = run.get("outputs", run_outputs(cfg))
+    if not isinstance(outputs, list):
+        raise ValueError(
+            f"job.dump_folder: {folder / RUN_FILE} lists its outputs as a {type(outputs).__name__}, not a list of "
+            "names; nothing deleted: fix or move that file away"
+        )
+    for name in outputs:
+        problem = _plain_name_problem(folder, name)
+        if problem is not None:
+            raise ValueError(
+                f"job.dump_folder: {folder / RUN_FILE} lists the output {json.dumps(name)}, {problem}; only exact "
+                "names of files a run wrote are deleted, so nothing was: fix that entry or move the file away"
+            )
+    return outputs
 
 
 def read_run(folder: Path) -> dict[str, Any] | None:
@@ -82,10 +131,13 @@ def write_run_record(folder: Path, run: dict[str, Any]) -> None:
 
 
 def _present(folder: Path, names: list[str]) -> list[str]:
-    """Those of ``names`` that exist in ``folder`` and hold something (an empty file or folder is nothing)."""
+    """Those of ``names`` (exact names) that exist in ``folder`` and hold something (an empty file or
+    folder is nothing)."""
     found = []
-    for path in sorted({p for name in names for p in folder.glob(name)}):
-        name = str(path.relative_to(folder))
+    for name in sorted(set(names)):
+        path = folder / name
+        if not os.path.lexists(path):
+            continue
         if path.is_dir() and not path.is_symlink():
             if any(path.iterdir()):
                 found.append(name + "/")
@@ -132,7 +184,13 @@ def _describe(run: dict[str, Any]) -> str:
     return f"run {run['run_id']} (started {run.get('started', '?')}, {end})"
 
 
-def claim_run_folder(folder: Path, cfg: JobConfig, *, config_hash: str) -> dict[str, Any]:
+def elastic_launch() -> str | None:
+    """The torchrun launch this process belongs to (its ``TORCHELASTIC_RUN_ID``: one per ``torchrun
+    --standalone``, the ``--rdzv-id`` with a c10d rendezvous), shared by its restarts; None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+def claim_run_folder(folder: Path, cfg: JobConfig, *, config_hash: str, world_size: int = 1) -> dict[str, Any]:
     """Make ``folder`` this run's (see the module docstring); the run record, for the caller to write
     (:func:`write_run_record`) once the run has started: a start that fails leaves the folder as it
     was (but for what ``job.overwrite`` deleted). ValueError with one line when the folder holds
@@ -147,16 +205,37 @@ def claim_run_folder(folder: Path, cfg: JobConfig, *, config_hash: str) -> dict[
                 f"job.dump_folder: {folder} is not empty and was not made by spider_titan (no {RUN_FILE}; it holds "
                 f"{_listing(others)}); give this run a new or empty folder with --job.dump_folder <path>"
             )
-        run = {"run_id": "unknown", "started": "before run.json", "outputs": run_outputs(cfg)}
+        run = {"run_id": "unknown", "started": "before run.json", "outputs": run_outputs(cfg, world_size)}
         logger.info("run folder: %s holds checkpoints written before %s existed; adopting it", folder, RUN_FILE)
     if run is not None:
         resume = ck.enable and (ck.load_step >= 0 or _resumable(folder, ck.folder)) and not cfg.job.overwrite
         if resume:
-            run.update(state="running", config_hash=config_hash, outputs=run_outputs(cfg))
+            run.update(state="running", config_hash=config_hash, outputs=run_outputs(cfg, world_size))
             run.pop("step", None)
+            run.pop("launch", None)
+            if elastic_launch() is not None:
+                run["launch"] = elastic_launch()
             return run
-        outputs = [n for n in run.get("outputs", run_outputs(cfg)) if isinstance(n, str) and _inside(n)]
+        outputs = _outputs(folder, run, cfg)
         written = _present(folder, [n for n in outputs if n != CONFIG_FILE])
+        # torchrun restarting this very launch before its first full checkpoint: the same run, again from step 0
+        restart = (
+            run.get("state") == "running"
+            and elastic_launch() is not None
+            and run.get("launch") == elastic_launch()
+            and run.get("config_hash") == config_hash
+        )
+        if restart:
+            for name in written:
+                path = folder / name.rstrip("/")
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            logger.warning(
+                "run folder: torchrun restarted run %s before its first full checkpoint: it starts again from step 0%s",
+                run["run_id"],
+                f" (deleted {_listing(written, 10)})" if written else "",
+            )
+            run.update(outputs=run_outputs(cfg, world_size))
+            return run
         if written and not cfg.job.overwrite:
             why = (
                 "no full checkpoint to resume from"
@@ -179,8 +258,10 @@ def claim_run_folder(folder: Path, cfg: JobConfig, *, config_hash: str) -> dict[
         "config_hash": config_hash,
         "started": started,
         "state": "running",
-        "outputs": run_outputs(cfg),
+        "outputs": run_outputs(cfg, world_size),
     }
+    if elastic_launch() is not None:
+        run["launch"] = elastic_launch()
     return run
 
 

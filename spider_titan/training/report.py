@@ -76,10 +76,13 @@ def log_end_block(
     *,
     elapsed: float,
     best_val: tuple[float, int] | None,
-    last_checkpoint: Path | None,
+    final_save: Path | None,
+    resume_point: Path | None,
 ) -> None:
     """What the run produced and how to use it, once at the end: ``elapsed`` seconds of training,
-    the best validation ``(bpb, step)`` and the newest complete checkpoint, when there are any."""
+    the best validation ``(bpb, step)``, the checkpoint that holds the final weights (``final_save``:
+    the last step's save, model only by default) and the newest full checkpoint a run can resume from,
+    when there are any."""
     logger.info(
         "done: %d steps, %d bytes, %.3g training FLOPs in %s",
         state.step,
@@ -97,8 +100,14 @@ def log_end_block(
             dump_folder / "metrics.jsonl",
             shell_command(python, SCRIPTS / "plot.py", dump_folder),
         )
-    if last_checkpoint is not None:
-        logger.info("last checkpoint: %s", last_checkpoint)
+    ck = cfg.checkpoint
+    if final_save is not None:
+        kind = f"model only, {ck.export_dtype}" if ck.last_save_model_only else "full: also the resume point"
+        logger.info("final weights: %s (%s)", final_save, kind)
+    if resume_point is not None and resume_point != final_save:
+        logger.info("last full checkpoint (the resume point): %s", resume_point)
+    if final_save is None and not ck.export_at_end:
+        logger.info("final weights: not saved (checkpoint.enable = false and checkpoint.export_at_end = false)")
     if cfg.checkpoint.export_at_end:
         export = dump_folder / "export"
         logger.info("export: %s", export)
