@@ -11,9 +11,17 @@
 #   RDZV_ID        a name shared by the nodes of one job [spider_titan]
 #   CONFIG_FILE    used when no --job.config_file argument is given [train_configs/debug_model.toml]
 #   PYTHON         the interpreter with torch and spider_titan installed [python]
+#   MAX_RESTARTS   times torchrun restarts the job after a worker fails (a lost node, a killed
+#                  process); each restart resumes from the newest complete checkpoint and retrains
+#                  the steps since it [3 with NNODES > 1, else 0: on one node a failure is mostly a
+#                  bug that a restart repeats]
 #
 # One node and no RDZV_ENDPOINT: torchrun --standalone. Otherwise a c10d rendezvous at
 # RDZV_ENDPOINT. The trainer picks NCCL when CUDA is available and gloo on CPU.
+#
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless set): each restart gets a store of its own rather than
+# the rendezvous's, whose keys from the workers before would make the restarted ones hang or fail to
+# connect (pytorch/pytorch#135712, #167288; the trainer works around it too, for a bare torchrun).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -43,6 +51,13 @@ else
             --rdzv-conf "is_host=$is_host")
 fi
 
+if [[ "$NNODES" == 1 ]]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+    echo "run_train.sh: MAX_RESTARTS=$MAX_RESTARTS is not a whole number >= 0 (e.g. MAX_RESTARTS=3)" >&2
+    exit 2
+fi
+
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" --nproc-per-node "$NGPU" --max-restarts 0 \
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+exec "$PYTHON" -m torch.distributed.run "${launch[@]}" --nproc-per-node "$NGPU" --max-restarts "$MAX_RESTARTS" \
     -m spider_titan.train "${args[@]}"

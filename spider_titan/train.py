@@ -708,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
                 what = waited_for(kind, "comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
                 rank = os.environ.get("RANK", "0")
                 print(f"error: rank {rank}: stopped during start-up: {what} [{first_line(e)}]", file=sys.stderr)
+            signals.said = True  # torchrun now stops this worker too: that ends it without another line
             return 1
         line = describe_failure(e, f"step {trainer.state.step + 1}" if trainer is not None else "start-up")
         if line is None:

@@ -130,6 +130,19 @@ def closing(signum, frame) -> None:
     )
 
 
+def quiet_exit(signum, frame) -> None:
+    """A signal after the run has said why it ended (a lost or silent rank): the launcher stopping the
+    job's workers. End the process now without a second line."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, RuntimeError, ValueError):
+        pass
+    os._exit(128 + signum)
+
+
 class ProgramSignals:
     """SIGTERM / SIGINT for the command line, while the trainer's :class:`StopSignal` does not hold
     them. During start-up a signal unwinds it (:class:`Interrupted` is raised: start-up removes what
@@ -141,11 +154,12 @@ class ProgramSignals:
     def __init__(self, *, install: bool):
         self.enabled = install
         self.built = False  # the trainer exists: a signal here may not unwind anything
+        self.said = False  # the run has printed the line that says why it ended (a lost rank): no other
         self.previous = {sig: signal.signal(sig, self._start_up) for sig in STOP_SIGNALS} if install else {}
 
     def _start_up(self, signum, frame) -> None:
         if self.built:  # just built, or just closed (StopSignal.restore put this handler back)
-            closing(signum, frame)
+            (quiet_exit if self.said else closing)(signum, frame)
         for sig in STOP_SIGNALS:
             signal.signal(sig, lambda s, f: exit_now(s, f"{signal.Signals(s).name} received again: stopped at once"))
         raise Interrupted(signum)
@@ -160,7 +174,7 @@ class ProgramSignals:
         """The trainer has closed: from now on a signal ends the process at once (:func:`closing`)."""
         if self.enabled:
             for sig in STOP_SIGNALS:
-                signal.signal(sig, closing)
+                signal.signal(sig, quiet_exit if self.said else closing)
 
     def restore(self) -> None:
         """The program's own handlers again, as they were before."""

@@ -294,6 +294,8 @@ BAD_VALUES = [
     (["--moe.aux_loss_coeff", "-1"], "moe.aux_loss_coeff"),
     (["--moe.bias_update_rate", "-1e-3"], "moe.bias_update_rate"),
     (["--checkpoint.interval", "0"], "checkpoint.interval"),
+    (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds"),
+    (["--comm.train_timeout_seconds", "-1"], "comm.train_timeout_seconds"),
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step"),
     (["--metrics.log_freq", "0"], "metrics.log_freq"),
