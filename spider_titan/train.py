@@ -220,7 +220,10 @@ class Trainer:
                 None,
             )
         if kept is not None:
-            saved = f"the newest complete checkpoint is {kept}: torchrun --max-restarts resumes from it, as does the same command"
+            saved = (
+                f"the newest complete checkpoint is {kept}: torchrun --max-restarts resumes from it, as does "
+                "the same command"
+            )
         elif ck.enable:
             saved = "no complete checkpoint yet: a restart begins at step 0"
         else:
@@ -474,10 +477,8 @@ class Trainer:
             self.checkpointer.maybe_save(step, stopping=True)
             ck = self.cfg.checkpoint
             exported = not ck.enable and ck.export_at_end
-            if exported:
-                self.checkpointer.export_at_end(
-                    step
-                )  # well under a second at debug size; a second signal stops at once
+            if exported:  # well under a second at debug size; a second signal stops at once
+                self.checkpointer.export_at_end(step)
         name = signal.Signals(self.stop.signum).name
         if self.rank == 0:
             record_run_end(self.dump_folder, self.run_record, state="stopped", step=step)

@@ -191,3 +191,19 @@ def test_sigstop_of_a_rank_ends_the_others_within_the_timeout_in_one_line(tmp_pa
     assert read_export_config(dump / "export")["step"] == STEPS
     with capsys.disabled():
         print(f"\n[sigstop] {restart_figures(tmp_path)}; whole job {took:.0f} s")
+
+
+def test_a_failed_job_names_the_rank_that_failed_first(tmp_path):
+    """No restart left (--max-restarts 0): rank 1 killed before step 3 ends the job with exit 1. Rank
+    0's one line says its rank, its step and that a peer is gone; torchrun's summary, the job's last
+    lines, names rank 1 as the first failure (its "Root Cause"), so the trainer adds nothing after it."""
+    dump = tmp_path / "run"
+    env = {"FAULT_STEP": "3", "FAULT_RANK": "1", "FAULT_SIGNAL": "SIGKILL"}
+    proc, _ = torchrun(tmp_path, dump, max_restarts=0, env=env, extra=["--checkpoint.interval", "2"])
+    assert proc.returncode == 1, report(proc)
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: stopped at step 2"), lines
+    assert "another rank is gone" in lines[0] and str(dump / "checkpoint" / "step-2") in lines[0], lines
+    summary = proc.stderr[proc.stderr.rindex("Root Cause (first observed failure)") :]
+    assert "rank      : 1 (local_rank: 1)" in summary and "SIGKILL" in summary, summary
+    assert summary.rstrip().endswith("=" * 60), summary
