@@ -26,6 +26,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -65,6 +66,10 @@ def _inside(name: str) -> bool:
     return bool(name) and not path.is_absolute() and ".." not in path.parts
 
 
+# The one pattern earlier versions of this project wrote into run.json, and the names it stood for.
+_LEGACY_RANK_METRICS = "metrics_rank*.jsonl"
+_RANK_METRICS = re.compile(r"metrics_rank\d+\.jsonl")
+
 # A name run.json may list: the folder's own files (the lock, the record) are never outputs.
 _NOT_OUTPUTS = (LOCK_FILE, RUN_FILE, f".{RUN_FILE}.tmp")
 
@@ -97,14 +102,19 @@ def _outputs(folder: Path, run: dict[str, Any], cfg: JobConfig) -> list[str]:
             f"job.dump_folder: {folder / RUN_FILE} lists its outputs as a {type(outputs).__name__}, not a list of "
             "names; nothing deleted: fix or move that file away"
         )
+    names = []
     for name in outputs:
+        if name == _LEGACY_RANK_METRICS:  # written by versions before exact names: the files it stood for
+            names += sorted(p.name for p in folder.iterdir() if _RANK_METRICS.fullmatch(p.name))
+            continue
+        names.append(name)
         problem = _plain_name_problem(folder, name)
         if problem is not None:
             raise ValueError(
                 f"job.dump_folder: {folder / RUN_FILE} lists the output {json.dumps(name)}, {problem}; only exact "
                 "names of files a run wrote are deleted, so nothing was: fix that entry or move the file away"
             )
-    return outputs
+    return names
 
 
 def read_run(folder: Path) -> dict[str, Any] | None:
@@ -209,8 +219,9 @@ def claim_run_folder(folder: Path, cfg: JobConfig, *, config_hash: str, world_si
         logger.info("run folder: %s holds checkpoints written before %s existed; adopting it", folder, RUN_FILE)
     if run is not None:
         resume = ck.enable and (ck.load_step >= 0 or _resumable(folder, ck.folder)) and not cfg.job.overwrite
-        if resume:
-            run.update(state="running", config_hash=config_hash, outputs=run_outputs(cfg, world_size))
+        if resume:  # what it wrote before stays listed (another world size wrote other rank files)
+            outputs = [*_outputs(folder, run, cfg), *run_outputs(cfg, world_size)]
+            run.update(state="running", config_hash=config_hash, outputs=list(dict.fromkeys(outputs)))
             run.pop("step", None)
             run.pop("launch", None)
             if elastic_launch() is not None:

@@ -126,6 +126,18 @@ def test_overwrite_deletes_the_exact_names_only(tmp_path, in_process, capsys):
     ]
 
 
+def test_overwrite_reads_the_rank_metrics_entry_of_earlier_versions_as_exact_names(tmp_path, in_process, capsys):
+    """Earlier versions listed 'metrics_rank*.jsonl'; it stands for metrics_rank<N>.jsonl and no other name."""
+    dump = finished(tmp_path, capsys)
+    for name in ("metrics_rank0.jsonl", "metrics_rank12.jsonl", "metrics_rank_notes.jsonl", "metrics_rank1.jsonl.bak"):
+        (dump / name).write_text("{}\n")
+    set_outputs(dump, ["metrics.jsonl", "export", "metrics_rank*.jsonl"])
+    code, out, lines = train(["--training.steps", "3", "--job.overwrite", "true"], dump, capsys)
+    assert code == 0 and lines == [], lines
+    assert "deleted export/, metrics.jsonl, metrics_rank0.jsonl, metrics_rank12.jsonl of run" in out, out[-3000:]
+    assert (dump / "metrics_rank_notes.jsonl").is_file() and (dump / "metrics_rank1.jsonl.bak").is_file()
+
+
 def test_a_restart_by_torchrun_before_the_first_checkpoint_starts_the_same_run_again(tmp_path, monkeypatch):
     """The same torchrun launch (TORCHELASTIC_RUN_ID) and config, its end not recorded, no full
     checkpoint yet: the restart takes the folder back (what the first start wrote is deleted, the run id
