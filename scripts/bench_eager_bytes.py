@@ -2,7 +2,7 @@
 tensors (``python scripts/benchmark.py eager_bytes --config train_configs/spider_1b_1gpu.toml``).
 
 ``kernel_bytes`` measures a compiled step at reduced width, where the weights weigh more against the
-activations than at 1B. This runs the planner's step instead (spider_titan/plan.py: the config's width,
+activations than at 1B. This runs the planner's step instead (spider_titan/plan/: the config's width,
 batch and sequence, its checkpointing and compiled blocks, the one-GPU cast of every parameter to
 bf16; no memory, no compute) and adds up, for each op that runs outside the compiled graphs, the bytes
 of its tensor inputs and outputs: what an eager GPU kernel reads and writes. Views, allocations and
@@ -39,9 +39,11 @@ def _source() -> str:
     node = torch._C._current_autograd_node()
     if node is not None:
         stack = "".join(node.metadata.get("traceback_", []))
-        frames = [f"{p}:{n} ({fn})" for p, n, fn in FRAME.findall(stack) if not p.startswith("plan.py")]
+        frames = [f"{p}:{n} ({fn})" for p, n, fn in FRAME.findall(stack) if not p.startswith("plan/")]
         return f"backward {node.name()} of {frames[-1] if frames else '?'}"
-    frames = [f for f in traceback.extract_stack() if "spider_titan/" in f.filename and "plan.py" not in f.filename]
+    frames = [
+        f for f in traceback.extract_stack() if "spider_titan/" in f.filename and "spider_titan/plan/" not in f.filename
+    ]
     if not frames:
         return "forward ?"
     f = frames[-1]

@@ -1,0 +1,7 @@
+"""``python -m spider_titan.plan``."""
+
+import sys
+
+from spider_titan.plan.cli import main
+
+sys.exit(main())
