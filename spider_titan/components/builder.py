@@ -178,6 +178,14 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) -> Run:
+    # the datasets are read before anything else: a missing folder or an unusable shard is said in one
+    # line before the device, the mesh or the MoE backend does any work (or logs a line)
+    t = cfg.training
+    build_dataset = registry.get("dataset", t.dataset)
+    path = t.dataset_path or None
+    train_data = build_dataset(path, split="train", seed=t.seed)
+    val_data = build_dataset(path, split="val", seed=t.seed) if cfg.validation.enable else None
+
     device = training_device(cfg.training.device)
     param_dtype, reduce_dtype = precision_dtypes(cfg, device)
 
@@ -189,11 +197,8 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
 
     # 2) data: every rank loads its own slice ("dp" covers all ranks)
     dp_rank = meshes["world"].get_local_rank() if meshes is not None else 0
-    t = cfg.training
-    build_dataset = registry.get("dataset", t.dataset)
-    path = t.dataset_path or None
     train_loader = ByteDataLoader(
-        build_dataset(path, split="train", seed=t.seed),
+        train_data,
         seq_len=t.seq_len,
         local_batch_size=t.local_batch_size,
         dp_rank=dp_rank,
@@ -205,7 +210,7 @@ def build_run(cfg: JobConfig, *, rank: int, world_size: int, dump_folder: Path) 
     val_loader = None
     if cfg.validation.enable:
         val_loader = ByteDataLoader(
-            build_dataset(path, split="val", seed=t.seed),
+            val_data,
             seq_len=t.seq_len,
             local_batch_size=cfg.validation.local_batch_size or t.local_batch_size,
             dp_rank=dp_rank,

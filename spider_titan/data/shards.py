@@ -131,7 +131,11 @@ def find_shards(folder: str | Path) -> list[Path]:
             "(or read it as text with training.dataset = 'text')"
         )
     if not folder.is_dir():
-        raise FileNotFoundError(f"dataset folder {folder} does not exist; {_LAYOUT_HINT}")
+        raise FileNotFoundError(
+            f"dataset folder {folder} does not exist; prepare *.bin token shards of your corpus in it with "
+            f"`python scripts/prepare_data.py --input <your corpus> --out {folder}` "
+            "(or train on the built-in corpus: --training.dataset builtin)"
+        )
     shards = sorted(p for p in folder.rglob("*.bin") if p.is_file())
     if not shards:
         raise FileNotFoundError(f"no *.bin token shards under {folder}; {_LAYOUT_HINT}")
