@@ -68,6 +68,10 @@ DENSE_FLAVORS = {
     # ~4x debug's training FLOPs per byte (4.07x at seq 256), the dense partner of Spider's "small", with
     # the same hashed byte n-grams.
     "small": DenseArgs(dim=256, inter_dim=832, **hashed_byte_ngrams(32768)),
+    # Spider "medium"'s partner (issue 74): every width of `small` doubled (dim 512, 128-wide heads as 1B's, SwiGLU
+    # 1664), 10 blocks (Spider medium's 2 + 6 + 2), `small`'s byte n-grams; 2.09e8 training FLOPs per byte at
+    # seq 256, 1.12x Spider medium's at its 6 loops and 4 bytes per segment; 134.4 M parameters (100.7 M n-gram tables).
+    "medium": DenseArgs(dim=512, n_layers=10, n_heads=4, n_kv_heads=2, inter_dim=1664, **hashed_byte_ngrams(32768)),
     # 22 blocks of (GQA 16/4 heads: 10.5 M) + (SwiGLU 5632: 34.6 M) = 992 M, + embeddings/head 1.1 M.
     "1B": DenseArgs(dim=2048, n_layers=22, n_heads=16, n_kv_heads=4, inter_dim=5632),
 }

@@ -297,6 +297,35 @@ SPIDER_FLAVORS: dict[str, SpiderArgs] = {
         n_loops=1,
         **hashed_byte_ngrams(32768),
     ),
+    # The third scale of the quality study (issue 74; docs/model.md, "Flavors"), between `small` and 1B: every
+    # width of `small` doubled again (dim 512, head dims 128 / 64 / 128, inters 1408 and 320) and 1B's structure
+    # and choices where they matter: 2 / 6 / 2 blocks, 32 experts top-2, Engrams in core blocks 1 and 4 (their
+    # rows dim / 4 wide, as 1B's), learned boundaries at 4 bytes per segment, 6 loops of 12, LoRA rank 8; the
+    # byte n-grams of `small` (its dense partner reads the same). 15.5x `small`'s training FLOPs per byte at
+    # seq 256 (1.86e8 against 1.20e7), 0.08x 1B's; 232.4 M parameters (100.7 M of them n-gram tables).
+    "medium": SpiderArgs(
+        dim=512,
+        kv_lora_rank=128,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_prelude=2,
+        n_core=6,
+        n_coda=2,
+        inter_dim=1408,
+        n_experts=32,
+        top_k=2,
+        moe_inter_dim=320,
+        engram_layers=[1, 4],
+        engram_buckets=32768,
+        engram_dim=128,
+        boundary_dim=64,
+        n_loops=6,
+        max_loops=12,
+        lora_rank=8,
+        segment_bucket=64,
+        **hashed_byte_ngrams(32768),
+    ),
     # By docs/model.md's layout: 4 dense blocks 193.5 M, 6 core blocks 705.8 M, two Engrams 75.5 M,
     # LoRA 5.3 M, the rest (embeddings, head, boundary predictor, inject, up_proj, ...) 13.7 M
     # = 993.8 M, and residual_proj 4.2 M (test_spider_params_flops pins it to 996 M +- 1 %).
