@@ -6,9 +6,9 @@
 
 Inputs are files, folders (searched recursively for the ``--glob`` patterns) and ``-`` (standard
 input: refused when empty or a terminal, since nothing was piped in). Inputs without any text (no
-documents, or only empty ones) are an error, not an empty dataset. A plain file is one document; ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` hold one document
+documents, or only empty ones) are an error, not an empty dataset. A plain file is one document; ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.xz`` / ``.jsonl.zst`` hold one document
 per line (the ``--text_key`` field); ``.parquet`` one per row (the ``--text_key`` column); other
-``.gz`` / ``.zst`` files are one document, decompressed. Each document becomes ``[BOS] + UTF-8
+``.gz`` / ``.xz`` / ``.zst`` files are one document, decompressed. Each document becomes ``[BOS] + UTF-8
 bytes + [EOS]``. The input is streamed (memory does not grow with the corpus), jsonl and Parquet are
 parsed by ``--workers`` processes, and the shards do not depend on the number of workers. Parquet and ``.zst`` need the
 ``data`` extra: ``pip install -e '.[data]'``. The work is done by

@@ -3,8 +3,8 @@
 Every document becomes ``[BOS] + UTF-8 bytes + [EOS]``. What a document is depends on the input:
 
 * a plain file (any suffix not listed below): one document, its bytes as stored;
-* ``*.gz`` / ``*.zst`` (other than jsonl): one document, the decompressed bytes;
-* ``*.jsonl`` / ``*.jsonl.gz`` / ``*.jsonl.zst``: one document per non-blank line, the string field
+* ``*.gz`` / ``*.xz`` / ``*.zst`` (other than jsonl): one document, the decompressed bytes;
+* ``*.jsonl`` / ``*.jsonl.gz`` / ``*.jsonl.xz`` / ``*.jsonl.zst``: one document per non-blank line, the string field
   ``text_key`` of the JSON object on that line;
 * ``*.parquet``: one document per row, the string column ``text_key`` (FineWeb-Edu's layout), read
   one row group at a time;
@@ -27,7 +27,8 @@ train, document 1 to val (so both splits exist whenever there are two documents 
 ``val_fraction > 0``), every later one to val with probability ``val_fraction`` drawn from
 ``numpy.random.default_rng(seed)``.
 
-Optional packages: Parquet needs ``pyarrow`` and ``.zst`` needs ``zstandard`` (``pip install -e '.[data]'``).
+Optional packages: Parquet needs ``pyarrow`` and ``.zst`` needs ``zstandard`` (``pip install -e '.[data]'``);
+``.gz`` and ``.xz`` need none (the standard library's ``gzip`` and ``lzma``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import importlib
 import io
 import json
 import logging
+import lzma
 import multiprocessing
 import os
 import signal
@@ -62,7 +64,7 @@ logger = logging.getLogger("spider_titan")
 STDIN = "-"
 _PIPE_HINT = "pipe the corpus in (cat corpus.txt | python scripts/prepare_data.py --input - --out DIR) or name files"
 # Folder files picked up by default (by prepare_data and the ``text`` dataset): text and structured corpora.
-DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.parquet")
+DEFAULT_GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.jsonl.gz", "*.jsonl.xz", "*.jsonl.zst", "*.parquet")
 # Bytes per range of a big file / chunk of a stream; also the size above which a file is "big".
 _CHUNK_BYTES = 16 * 2**20
 # Small files and jsonl lines are grouped into tasks of about this much input, so that the per-task
@@ -80,7 +82,7 @@ class Source:
 
     path: Path | None
     kind: Kind
-    compression: Literal["", "gz", "zst"]
+    compression: Literal["", "gz", "xz", "zst"]
     size: int | None  # bytes on disk; None for stdin
 
     @property
@@ -88,11 +90,11 @@ class Source:
         return "<stdin>" if self.path is None else str(self.path)
 
 
-def source_kind(name: str) -> tuple[Kind, Literal["", "gz", "zst"]]:
+def source_kind(name: str) -> tuple[Kind, Literal["", "gz", "xz", "zst"]]:
     """How the file ``name`` is read, from its suffixes: ``(kind, compression)``."""
     name = name.lower()
-    compression: Literal["", "gz", "zst"] = ""
-    for ext in ("gz", "zst"):
+    compression: Literal["", "gz", "xz", "zst"] = ""
+    for ext in ("gz", "xz", "zst"):
         if name.endswith("." + ext):
             compression, name = ext, name[: -len(ext) - 1]  # type: ignore[assignment]
     if name.endswith(".parquet") and not compression:
@@ -200,7 +202,7 @@ def _check_parquet_column(path: Path, key: str) -> None:
 def _reading(name: str, compression: str = "") -> Iterator[None]:
     """Turn a failure to read the input ``name`` (missing, unreadable, truncated or corrupt
     compressed data) into one ValueError that names it and says what to do."""
-    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error, lzma.LZMAError)
     if compression == "zst":
         errors += (_require("zstandard", ".zst files").ZstdError,)
     try:
@@ -214,7 +216,7 @@ def _reading(name: str, compression: str = "") -> Iterator[None]:
             if isinstance(e, EOFError)
             else f"is not valid .{compression} data ({e})"
         )
-        tool = {"gz": "gzip", "zst": "zstd"}.get(compression, "gzip")
+        tool = {"gz": "gzip", "xz": "xz", "zst": "zstd"}.get(compression, "gzip")
         raise ValueError(
             f"{name}: {what}; test it with `{tool} -t {name}` and download or compress it again "
             f"(a file that is not compressed must not be named .{compression or 'gz'})"
@@ -431,6 +433,8 @@ def _open_stream(src: Source, stack: ExitStack) -> tuple[BinaryIO, BinaryIO]:
     raw = stack.enter_context(open(src.path, "rb"))
     if src.compression == "gz":
         return stack.enter_context(gzip.GzipFile(fileobj=raw)), raw
+    if src.compression == "xz":
+        return stack.enter_context(lzma.LZMAFile(raw)), raw
     if src.compression == "zst":
         zstandard = _require("zstandard", ".zst files")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
@@ -555,7 +559,7 @@ def encode_in_order(tasks: Iterator[Any], workers: int) -> Iterator[tuple[int, E
 
 
 def read_documents(inputs: Sequence[str | Path], *, text_key: str = "text") -> list[np.ndarray]:
-    """Every document of ``inputs`` (module docstring: files, folders, jsonl, .gz / .zst, Parquet) as
+    """Every document of ``inputs`` (module docstring: files, folders, jsonl, .gz / .xz / .zst, Parquet) as
     its tokens ``[BOS] + bytes + [EOS]``, in corpus order, in memory (the ``text`` dataset)."""
     pieces, starts, size = [], [], 0
     tasks = iter_tasks(find_sources(inputs, text_key=text_key), text_key=text_key)
@@ -572,7 +576,7 @@ def read_documents(inputs: Sequence[str | Path], *, text_key: str = "text") -> l
 class IngestProgress:
     """Logs ``<what>: N docs, X of T MB (p%), R MB/s, ETA m:ss`` at most every ``every_s`` seconds.
 
-    MB are input bytes as stored (compressed for .gz/.zst/Parquet), which is what the ETA needs.
+    MB are input bytes as stored (compressed for .gz/.xz/.zst/Parquet), which is what the ETA needs.
     ``total_bytes`` is None when unknown (stdin): the line then has no percentage and no ETA.
     """
 
