@@ -16,7 +16,10 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-import tomli
+try:  # Python >= 3.11: the standard library's (the lent GPU machine's Python has no tomli)
+    import tomllib as tomli
+except ModuleNotFoundError:  # Python 3.10
+    import tomli
 
 from spider_titan import registry
 from spider_titan.job_config import JobConfig
