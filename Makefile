@@ -24,7 +24,7 @@ TORCH_PIP_ARGS ?=
 VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.spider_titan_installed
 
-.PHONY: help install train sample plot test lint
+.PHONY: help install train sample plot test lint gpu
 
 help:
 	@echo "make train    train CONFIG ($(CONFIG)) with the overrides in ARGS,"
@@ -34,6 +34,7 @@ help:
 	@echo "make test     run the tests (python -m pytest -q -n TEST_WORKERS PYTEST_ARGS), as CI does"
 	@echo "make lint     ruff check and ruff format --check (CI runs both; ruff format . fixes the format)"
 	@echo "make install  create VENV and install torch and the project (train and test do it first)"
+	@echo "make gpu      on a lent GPU machine: the prepared call of lab/device/ (OUT: where its table goes)"
 	@echo "make help     this list"
 	@echo ""
 	@echo "variables (make VAR=value ...), now:"
@@ -89,3 +90,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The prepared call for a lent GPU (lab/device/README.md): no venv there, the machine's python3 and this
+# checkout on PYTHONPATH; the carried corpus in outputs/device_corpus, the table and JSON under OUT.
+OUT      ?= outputs/third_scale
+GPU_ARGS ?=
+gpu:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" PYTHONUNBUFFERED=1 $(PYTHON) -m lab.device.third_scale --out "$(OUT)" $(GPU_ARGS)
