@@ -1,7 +1,7 @@
 """The device corpus (issue 74): ~150 MB of text this machine holds offline, as two xz-compressed jsonl files
 small enough to travel to the lent GPU machine (64 MiB in all, the repository included).
 
-    python -m lab.corpus.device_corpus --out outputs/device_corpus          # ~153 MB of training text + 8 MB held out
+    python -m lab.corpus.device_corpus --out outputs/device_corpus          # 147 MB of training text + 8 MB held out
     python -m lab.corpus.device_corpus --out DIR --scale 0.01                # the same recipe at 1 % (tests)
 
 Writes ``train.jsonl.xz`` (the mix every run trains on; its val split is drawn by prepare_data),

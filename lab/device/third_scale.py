@@ -594,14 +594,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export_s", type=float, default=10, help="seconds a run's export takes, in the budget (10)")
     p.add_argument("--report_s", type=float, default=5, help="seconds kept for the report (5)")
     args = p.parse_args(argv)
-    # the dry run's budget: ~30 steps of the debug flavor at 2 x 64 bytes (its 3e-4 x small's 4e13)
+    # the dry run's budget: ~15 steps of the debug flavor at 2 x 64 bytes (1.5e-4 x small's 4e13)
     tiny = {
         "flavor": "debug",
         "seq": 64,
         "batch": 2,
         "warmup_steps": 2,
         "probe_steps": 4,
-        "target_x": 3e-4,
+        "target_x": 1.5e-4,
         "eval_windows": 128,
     }
     full = {
