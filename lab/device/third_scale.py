@@ -213,7 +213,7 @@ def prepare(args, clock: Clock, report: dict) -> bool:
     for name, fraction in (("train", args.val_fraction), ("held_out", args.held_out_val_fraction)):
         src = corpus / f"{name}.jsonl.xz"
         jobs[f"prepare_{name}"] = [sys.executable, "scripts/prepare_data.py", "--input", str(src)]
-        jobs[f"prepare_{name}"] += ["--out", str(data / name), "--val_fraction", str(fraction), "--workers", "4"]
+        jobs[f"prepare_{name}"] += ["--out", str(data / name), "--val_fraction", str(fraction), "--workers", "8"]
     done = run_parallel(jobs, Path(args.work) / "logs", clock.part(args.data_s), threads=1)
     report["data"] = {k: {"rc": r["rc"], "wall_s": r["wall_s"]} for k, r in done.items()}
     ok = all(r["rc"] == 0 for r in done.values())
