@@ -1,1 +1,6 @@
-"""The lab: studies, benches and corpus makers around spider_titan (not installed; run as python -m lab.<pkg>.<module>)."""
+"""The laboratory: studies, benches and corpus makers that measure spider_titan rather than being it.
+
+Run from the repository root as ``python -m lab.<package>.<module> ...``. The lab imports the installed
+``spider_titan`` package; nothing in ``spider_titan/`` or ``scripts/`` imports the lab
+(tests/unit/test_layering.py holds both rules).
+"""

@@ -1,0 +1,1 @@
+"""The lab's tests (pytest collects ``tests`` and ``lab/tests``)."""

@@ -161,7 +161,7 @@ class DropWatch:
         self.warned = median
         logger.warning(
             "step %d: %s dropped a median %.1f %% of the segments at the last %d logged steps (their bytes read no "
-            "core output); raise it (scripts/segment_capacity.py measures what a trained model needs)",
+            "core output); raise it (python -m lab.analysis.segment_capacity measures what a trained model needs)",
             step,
             self.capacities,
             100 * median,

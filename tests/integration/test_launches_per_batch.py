@@ -4,7 +4,7 @@ A step that waits on its host (no CUDA graph: every multi-GPU run) costs about a
 launches per micro-batch whatever the micro-batch holds, so a larger micro-batch buys more bytes per
 launch; the shipped 8-GPU configs rely on that (docs/benchmarks.md). The debug flavor with static
 shapes (64-byte rows), eager, one profiled step at 2 and at 8 rows: the kernels a GPU would launch
-(scripts/bench_gpu.py's count) must be the same. The control computes one part row by row, as a
+(lab/bench/gpu.py's count) must be the same. The control computes one part row by row, as a
 Python loop over samples would, and its count grows with the rows.
 """
 
@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 
 from spider_titan.models.spider.segmentation import Chunker
-from tests.utils import REPO, TINY_SPIDER
+from tests.utils import TINY_SPIDER
 
 
 def _launches(tmp_path, batch: int) -> int:
-    from bench_gpu import count_launches, host_events
-
+    from lab.bench.gpu import count_launches, host_events
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 
@@ -53,7 +52,6 @@ def _launches(tmp_path, batch: int) -> int:
 
 
 def test_launches_per_step_do_not_grow_with_the_micro_batch(in_process, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
     counts = {batch: _launches(tmp_path, batch) for batch in (2, 8)}
     print("\nlaunches per step by micro-batch rows:", counts)
     assert counts[2] == counts[8], counts

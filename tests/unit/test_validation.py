@@ -160,10 +160,10 @@ def test_a_long_validation_logs_its_progress_and_a_short_one_nothing(monkeypatch
 
 
 def test_eval_loops_paired_difference_matches_the_stream():
-    """scripts/eval_loops.py (and protocol.paired_difference, which the calibration uses): each count's bpb is the whole stream's loss (windows and tail), the
+    """scripts/evaluate.py (and protocol.paired_difference, which the calibration uses): each count's bpb is the whole stream's loss (windows and tail), the
     paired difference is the difference of those losses, its standard error is 0 against itself and
     positive otherwise, and it shrinks as the split grows (about as 1/sqrt(windows))."""
-    from scripts.eval_loops import window_losses
+    from scripts.evaluate import window_losses
     from spider_titan.protocol import paired_difference as paired
 
     class Looped(Bigram):
@@ -195,7 +195,7 @@ def test_eval_loops_compares_models_as_trained(monkeypatch, tmp_path):
     several models is refused."""
     import json
 
-    import scripts.eval_loops as eval_loops
+    import scripts.evaluate as eval_loops
 
     torch.manual_seed(0)
     models = {"a": Bigram(), "b": Bigram()}

@@ -192,26 +192,3 @@ def test_reading_a_quantized_export_needs_torchao_and_a_known_method(exports, tm
         f"{folder / 'config.json'}: quantization 'int3' is not one this code reads (int8, int4); "
         "load it with the spider_titan that wrote it"
     )
-
-
-def test_the_quantize_benchmark_pairs_its_four_formats_with_bf16(exports, tmp_path, monkeypatch, capsys):
-    """``scripts/benchmark.py quantize`` end to end on a small val split: every format written, loaded,
-    scored on the same windows (bf16 against itself: 0) and timed."""
-    import numpy as np
-
-    from spider_titan.data.shards import write_shard
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        write_shard(tmp_path / "data" / split / "part_0.bin", rng.integers(0, 256, 4 * 64 + 1).astype(np.uint16))
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    bench = importlib.import_module("bench_quantize")
-    argv = ["--model", str(exports["fp32"]), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
-    assert bench.main([*argv, "--seq_len", "64", "--batch", "2", "--loads", "1", "--context", "16", "--new", "4"]) == 0
-    report = json.loads((tmp_path / "out" / "quantize.json").read_text())
-    rows = report["rows"]
-    assert list(rows) == ["fp32", "bf16", "int8", "int4"]
-    assert rows["bf16"][str(tmp_path / "data")]["diff"] == 0
-    assert rows["int4"]["file_mb"] < rows["int8"]["file_mb"] < rows["bf16"]["file_mb"] < rows["fp32"]["file_mb"]
-    assert all(row["load_s"] > 0 and row["decode_bytes_per_s"] > 0 for row in rows.values())
-    assert "| int4 | " in capsys.readouterr().out

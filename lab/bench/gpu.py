@@ -1,7 +1,7 @@
 """The GPU harness of Spider 1B against dense 1B: one command, one markdown table and one JSON.
 
-    python scripts/benchmark.py gpu_1b --out outputs/gpu_1b                # one H100/H200, at most ~8 minutes
-    python scripts/benchmark.py gpu_1b --reduced --compile false --out DIR # the same code path at tiny shapes (CPU)
+    python -m lab.bench.benchmark gpu_1b --out outputs/gpu_1b                # one H100/H200, at most ~8 minutes
+    python -m lab.bench.benchmark gpu_1b --reduced --compile false --out DIR # the same code path at tiny shapes (CPU)
 
 Rows (each a real ``Trainer`` built from ``train_configs/spider_1b.toml`` on mock data, one micro-batch of
 ``--batch`` x ``--seq`` bytes, no validation or checkpoints): ``dense_1b`` (bf16, activation checkpointing off),
@@ -58,7 +58,7 @@ import torch
 from spider_titan.training.cuda_graph import FORWARD_BACKWARD
 from spider_titan.vocab import PAD_ID
 
-CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "spider_1b.toml"
+CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "spider_1b.toml"
 ONE_GPU_CONFIG = CONFIG.with_name("spider_1b_1gpu.toml")
 # Reduced width, the real structure: blocks, loops, experts and top-k of the 1B flavors, every width small.
 REDUCED_SPIDER = {
@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from benchmark import machine
+    from lab.bench.benchmark import machine
 
     report = {"machine": machine(), "args": vars(args), "rows": {}}
     chosen = [r for r in args.rows.split(",") if r]

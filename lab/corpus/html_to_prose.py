@@ -1,6 +1,6 @@
 """Extract the prose of HTML books into a jsonl corpus: one document per section, paragraphs only.
 
-    python scripts/html_to_prose.py ~/.rustup/toolchains/*/share/doc/rust/html/{book,nomicon,reference}/print.html \
+    python -m lab.corpus.html_to_prose ~/.rustup/toolchains/*/share/doc/rust/html/{book,nomicon,reference}/print.html \
         --out data/prose.jsonl
     python scripts/prepare_data.py --input data/prose.jsonl --out data/prose
 

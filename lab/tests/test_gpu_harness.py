@@ -1,9 +1,8 @@
-"""scripts/benchmark.py gpu_1b (scripts/bench_gpu.py), the GPU harness of Spider 1B against dense 1B: its
+"""lab/bench/benchmark.py gpu_1b (lab/bench/gpu.py), the GPU harness of Spider 1B against dense 1B: its
 reduced-width dry run on CPU takes the same code path end to end at tiny shapes and writes its table."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -11,20 +10,19 @@ import time
 
 import torch
 
+from lab.bench import gpu as bench_gpu
 from tests.utils import REPO
 
 
 def test_the_help_describes_the_harness():
     proc = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "gpu_1b", "--help"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "lab.bench.benchmark", "gpu_1b", "--help"], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     assert "Spider 1B against dense 1B" in proc.stdout and "--budget_s" in proc.stdout and "--reduced" in proc.stdout
 
 
 def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    bench_gpu = importlib.import_module("bench_gpu")
     # the fp8 row is the spider row with the float8 converter: left out here for the suite's time
     argv = [
         "--reduced",
@@ -92,8 +90,6 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
 def test_the_run_stops_at_its_total_budget(tmp_path, in_process, monkeypatch):
     """--total_s bounds the whole run: a row gets at most the time left, and none starts with under
     20 s left (here: the first row takes the 21 s given, and the others are skipped and say why)."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    bench_gpu = importlib.import_module("bench_gpu")
     budgets = []
 
     def row(name, overrides, args, budget):
@@ -113,8 +109,6 @@ def test_the_run_stops_at_its_total_budget(tmp_path, in_process, monkeypatch):
 def test_the_planned_row_drops_checkpointing_only_when_the_planner_says_so(monkeypatch):
     """spider_1b_planned reads the planner's checkpointing lines (plan.checkpointing_line): none when
     the micro-batch fits without, the memory budget's flags when one fits, the config's otherwise."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    bench_gpu = importlib.import_module("bench_gpu")
     from spider_titan.plan import CHECKPOINTING_NOT_NEEDED, MEMORY_BUDGET_FITS
 
     def planner(line):
@@ -136,8 +130,6 @@ def test_the_planned_row_drops_checkpointing_only_when_the_planner_says_so(monke
 
 def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
     """A step over 2x the median is reported with the recompiles and Triton JIT compiles that ran in it."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    bench_gpu = importlib.import_module("bench_gpu")
     log = bench_gpu._Recompiles()
     watch = bench_gpu.StepEvents(log, cuda=False)
     try:
@@ -158,8 +150,7 @@ def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
 def test_the_launch_count_skips_views_and_counts_copies(monkeypatch):
     """bench_gpu.count_launches on an eager trace: views, allocations and a no-op ``to`` launch
     nothing; a ``to`` that casts and a ``reshape`` that must copy launch one kernel each."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    from bench_gpu import count_launches, host_events
+    from lab.bench.gpu import count_launches, host_events
 
     x = torch.randn(8, 8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -173,8 +164,7 @@ def test_kernels_are_summed_by_kind(monkeypatch):
     """bench_gpu.kernel_kinds on kernel names an H200 step launched (run B of docs/benchmarks.md):
     the grouped expert GEMM is told from the dense GEMMs, and the short kernels are counted again
     as the tail."""
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    from bench_gpu import kernel_kinds
+    from lab.bench.gpu import kernel_kinds
 
     grouped = "void at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<>>>"
     kernels = [

@@ -1,9 +1,9 @@
 """Render manual pages to plain text as a jsonl corpus, one document per page: a held-out corpus of English
 technical documentation (command-line manuals) that no config trains on.
 
-    python scripts/man_to_text.py /usr/share/man/man1 --every 12 --exclude gcloud bq gsutil --out data/man.jsonl
+    python -m lab.corpus.man_to_text /usr/share/man/man1 --every 12 --exclude gcloud bq gsutil --out data/man.jsonl
     python scripts/prepare_data.py --input data/man.jsonl --out data/man --val_fraction 0.3
-    python scripts/eval_loops.py --model A/export --model B/export --data data/man
+    python scripts/evaluate.py --model A/export --model B/export --data data/man
 
 Each page (``.gz`` or plain troff) goes through ``groff -mandoc -Tascii`` without overstrike or colour; runs
 of blank lines become one. ``--every N`` keeps every N-th page of the sorted names (a spread across

@@ -1,23 +1,18 @@
-"""scripts/quality_study.py: seeds are averaged per run and cell, a run short of its budget is left out,
+"""lab/quality/study.py: seeds are averaged per run and cell, a run short of its budget is left out,
 and the paired loops difference comes from the run's eval_loops.json."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from lab.quality import benchmark as qb
+from lab.quality import study as quality_study
+from scripts import evaluate
 
-
-@pytest.fixture
-def main(monkeypatch):
-    """quality_study.main, imported as ``python scripts/quality_study.py`` runs it: with scripts/ heading
-    sys.path, where it finds its sibling quality_benchmark.py."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    return importlib.import_module("quality_study").main
+main = quality_study.main
 
 
 def fake_run(folder, name, *, flops, bpb, paired=None):
@@ -35,7 +30,7 @@ def fake_run(folder, name, *, flops, bpb, paired=None):
         (dump / "eval_loops.json").write_text(json.dumps(loops))
 
 
-def test_seeds_averaged_short_runs_left_out(main, tmp_path, capsys):
+def test_seeds_averaged_short_runs_left_out(tmp_path, capsys):
     s0, s1 = tmp_path / "s0", tmp_path / "s1"
     fake_run(s0, "spider", flops=1.05e13, bpb=2.0, paired=(0.0012, 0.0002))
     fake_run(s1, "spider", flops=1.02e13, bpb=2.2, paired=(-0.0003, 0.0001))
@@ -53,7 +48,7 @@ def test_seeds_averaged_short_runs_left_out(main, tmp_path, capsys):
     assert "bytes/segment train 4.10-4.10, eval 3.90-3.90" in md
 
 
-def test_bad_cell_spec_is_one_line(main):
+def test_bad_cell_spec_is_one_line():
     with pytest.raises(SystemExit, match="expected SCALE/CORPUS:BUDGET"):
         main(["--cell", "debug:1e13"])
 
@@ -65,9 +60,8 @@ def test_every_benchmark_row_is_a_valid_config(monkeypatch):
     from spider_titan.config.manager import parse_args
     from tests.utils import REPO
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))
     monkeypatch.chdir(REPO)
-    runs = importlib.import_module("quality_benchmark").RUNS
+    runs = qb.RUNS
     assert len({r.name for r in runs}) == len(runs)
     for run in runs:
         for flavor in ("debug", "small"):
@@ -81,9 +75,7 @@ def test_a_row_that_trains_the_default_is_not_run_again(monkeypatch, tmp_path):
     model or the rest of the job are run."""
     from tests.utils import REPO
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))
     monkeypatch.chdir(REPO)
-    qb = importlib.import_module("quality_benchmark")
     ran = []
 
     def fake_run_one(run, args, out=None, deadline=None):
@@ -104,54 +96,49 @@ def test_a_row_that_trains_the_default_is_not_run_again(monkeypatch, tmp_path):
         assert all(got[n]["val_bpb"] == 1.6 for n in got if n not in ("spider", twin))
 
 
-def depth_run(folder, name, *, flops, bpb, options):
-    """A finished run with eval_loops rows: the trained depth first, then (loops, scale, diff, se) options."""
+def loops_run(folder, name, *, flops, bpb, options):
+    """A finished run with eval_loops rows: the trained depth first, then (loops, diff, se) options."""
     fake_run(folder, name, flops=flops, bpb=bpb)
-    rows = [{"n_loops": 3, "depth_scale": 1.0, "diff_bpb": 0.0, "se_bpb": 0.0}]
-    rows += [{"n_loops": n, "depth_scale": k, "diff_bpb": d, "se_bpb": se} for n, k, d, se in options]
+    rows = [{"n_loops": 2, "diff_bpb": 0.0, "se_bpb": 0.0}]
+    rows += [{"n_loops": n, "diff_bpb": d, "se_bpb": se} for n, d, se in options]
     (folder / name / "eval_loops.json").write_text(json.dumps(rows))
 
 
-def test_depth_study_aims_per_cell(main, tmp_path):
-    """--study depth --report-only: the candidate's difference to the baseline per cell (paired by seed), and
+def test_loops_study_aims_per_cell(tmp_path):
+    """--study loops --report_only: the candidate's difference to the baseline per cell (paired by seed), and
     the best higher test-time depth pooled over seeds, judged against 0.005 bpb with s.e. under a third."""
-    import quality_study
-
-    study = quality_study.STUDIES["depth"]
-    good = [(4, 1.0, +0.001, 0.0002), (3, 2.0, -0.006, 0.0005)]  # twice the shares helps by 0.006
-    weak = [(4, 1.0, -0.002, 0.0002), (3, 2.0, +0.004, 0.0005)]
+    study = quality_study.STUDIES["loops"]
+    good = [(3, +0.001, 0.0002), (4, -0.006, 0.0005)]  # four loops help by 0.006
+    weak = [(3, -0.002, 0.0002), (4, +0.004, 0.0005)]
     for i, (scale, corpus, budget) in enumerate(study.cells):
         for seed in study.seeds:
             d = quality_study.cell_dir(tmp_path, scale, corpus, seed)
             fake_run(d, "spider", flops=budget, bpb=2.0 + seed)
             # cell 0: 0.010 worse (over the allowance); the others 0.002 better
-            depth_run(
+            loops_run(
                 d,
-                "spider_depth",
+                "spider_loops2",
                 flops=budget,
                 bpb=2.0 + seed + (0.010 if i == 0 else -0.002),
                 options=good if i < 3 else weak,
             )
-    main(["--study", "depth", "--out", str(tmp_path), "--report-only"])
+    main(["--study", "loops", "--out", str(tmp_path), "--report_only"])
     md = (tmp_path / "study.md").read_text()
     assert (
         "| debug, built-in | **2.500** (2.000 / 3.000) | **2.510** (2.010 / 3.010) | +0.0100 over 2 seed(s), over by 0.0050 |"
         in md
     )
-    assert "| @3 x2 shares | -0.0060 (0.0004) | yes |" in md  # sqrt(2 * 0.0005^2) / 2 = 0.00035
-    assert "| small, prose |" in md and "| @4 | -0.0020 (0.0001) | no (short by 0.0030) |" in md
+    assert "| @4 | -0.0060 (0.0004) | yes |" in md  # sqrt(2 * 0.0005^2) / 2 = 0.00035
+    assert "| small, prose |" in md and "| @3 | -0.0020 (0.0001) | no (short by 0.0030) |" in md
     assert "(a) mean difference over 4 of 4 cells: +0.0010 bpb, not every cell within 0.005: not met" in md
     assert "(b) met in 3 of 4 cells (3 asked): met" in md
     assert len(json.loads((tmp_path / "study.json").read_text())["runs"]) == 4 * 2 * 2
 
 
-def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, monkeypatch):
+def test_loops_study_runs_every_cell_and_lists_the_unfinished(tmp_path, monkeypatch):
     """--study runs each (cell, seed, run) once, with the cell's budget, flavor, seed and corpus; a run
     stopped at the deadline is listed, not counted; a run that trains what another of its cell trains
     (fixed segments at `small`, which ships them) is linked to it, not run."""
-    import quality_benchmark
-    import quality_study
-
     from tests.utils import REPO
 
     monkeypatch.chdir(REPO)  # the rows' job configs are relative to the repository
@@ -160,16 +147,16 @@ def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, mo
     calls = []
 
     def fake_run_one(run, bench, out, deadline):
-        extra = quality_benchmark.run_overrides(bench)
+        extra = qb.run_overrides(bench)
         calls.append((run.name, bench.flops, bench.data, tuple(extra), out.name))
         assert deadline > 0
-        if run.name == "spider_depth" and "debug" in extra:
-            raise quality_benchmark.OutOfTime("stopped at the deadline")
+        if run.name == "spider_loops2" and "debug" in extra:
+            raise qb.OutOfTime("stopped at the deadline")
         fake_run(out, run.name, flops=bench.flops, bpb=2.0 if run.name == "spider" else 2.1)
         return {}
 
     monkeypatch.setattr(quality_study, "run_one", fake_run_one)
-    main(["--study", "depth", "--out", str(tmp_path / "o"), "--prose", str(prose), "--jobs", "2"])
+    main(["--study", "loops", "--out", str(tmp_path / "o"), "--prose", str(prose), "--jobs", "2"])
     assert len(calls) == 4 * 2 * 3 - 4 and not any(c[0] == "spider_fixed_segments" and "small" in c[3] for c in calls)
     small_prose = [c for c in calls if "small" in c[3] and c[2] is not None]
     assert {c[1] for c in small_prose} == {4e13} and all(str(prose.resolve()) in c[3] for c in small_prose)
@@ -178,7 +165,7 @@ def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, mo
     }
     report = json.loads((tmp_path / "o" / "study.json").read_text())
     assert sorted(report["unfinished"]) == sorted(
-        f"debug/{c} seed {k} spider_depth: out of time" for c in ("built-in", "prose") for k in (0, 1)
+        f"debug/{c} seed {k} spider_loops2: out of time" for c in ("built-in", "prose") for k in (0, 1)
     )
     assert len(report["runs"]) == 4 * 2 * 3 - 4
     linked = [r for r in report["runs"] if r["name"] == "spider_fixed_segments" and r["scale"] == "small"]
@@ -186,42 +173,32 @@ def test_depth_study_runs_every_cell_and_lists_the_unfinished(main, tmp_path, mo
     assert (quality_study.cell_dir(tmp_path / "o", "small", "prose", 1) / "spider_fixed_segments").is_symlink()
 
 
-def test_study_needs_its_prose_corpus(main, tmp_path):
+def test_study_needs_its_prose_corpus(tmp_path):
     with pytest.raises(SystemExit, match="give --prose DIR"):
-        main(["--study", "depth", "--out", str(tmp_path)])
+        main(["--study", "loops", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not a bytes folder"):
-        main(["--study", "depth", "--out", str(tmp_path), "--prose", str(tmp_path)])
+        main(["--study", "loops", "--out", str(tmp_path), "--prose", str(tmp_path)])
 
 
-def test_eval_loops_commands(monkeypatch):
-    """'trained' and 'max' name the model's loop counts; per-segment depth runs are also evaluated at twice
-    their shares."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+def test_eval_loops_commands():
+    """'trained' and 'max' name the model's loop counts; the command pairs each count with the first."""
     from types import SimpleNamespace
 
-    qb = importlib.import_module("quality_benchmark")
-    eval_loops = importlib.import_module("eval_loops")
     args = SimpleNamespace(n_loops=3, max_loops=4)
-    assert eval_loops.parse_loops("trained,max", args) == [3, 4]
-    assert eval_loops.parse_loops("2,trained,2", args) == [2, 3]
+    assert evaluate.parse_loops("trained,max", args) == [3, 4]
+    assert evaluate.parse_loops("2,trained,2", args) == [2, 3]
     with pytest.raises(SystemExit, match="at least two different"):
-        eval_loops.parse_loops("trained,3", args)
+        evaluate.parse_loops("trained,3", args)
     with pytest.raises(SystemExit, match="integers, 'trained' or 'max'"):
-        eval_loops.parse_loops("trained,deep", args)
+        evaluate.parse_loops("trained,deep", args)
     runs = {r.name: r for r in qb.RUNS}
-    depth = qb.eval_loops_cmd(runs["spider_depth"], Path("d"), "trained,max", None)
     plain = qb.eval_loops_cmd(runs["spider"], Path("d"), "trained,max", "x")
-    assert depth[depth.index("--depth_scale") + 1] == "1,2" and "--depth_scale" not in plain
-    assert plain[-2:] == ["--data", str(Path("x").resolve())]
-
-
-def test_loops_histogram_from_the_shares_of_each_loop(monkeypatch):
-    """A loop runs only on segments that ran the one before, so the shares give the histogram."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    hist = importlib.import_module("quality_study").loops_histogram({2: 0.4, 3: 0.3})
-    assert hist == pytest.approx({1: 0.6, 2: 0.1, 3: 0.3}) and not importlib.import_module(
-        "quality_study"
-    ).loops_histogram({})
+    assert plain[1:] == ["scripts/evaluate.py", "--model", str(Path("d") / "export"), "--loops", "trained,max"] + [
+        "--json",
+        str(Path("d") / "eval_loops.json"),
+        "--data",
+        str(Path("x").resolve()),
+    ]
 
 
 def test_spider_set_and_dense_set_reach_their_own_runs_only(monkeypatch):
@@ -230,9 +207,7 @@ def test_spider_set_and_dense_set_reach_their_own_runs_only(monkeypatch):
     from spider_titan.config.manager import parse_args
     from tests.utils import REPO
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))
     monkeypatch.chdir(REPO)
-    qb = importlib.import_module("quality_benchmark")
     runs = {r.name: r for r in qb.RUNS}
     args = qb.arg_parser().parse_args(
         ["--flavor", "small", "--spider-set=--model.n_experts 16 --model.top_k 4", "--dense-set=--model.n_layers 3"]

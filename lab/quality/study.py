@@ -1,27 +1,26 @@
-"""The quality study over scales, corpora and seeds: quality_benchmark.py outputs in, one table of val
+"""The quality study over scales, corpora and seeds: lab.quality.benchmark outputs in, one table of val
 bpb per run and cell (scale x corpus), the paired more-loops difference, telemetry ranges and a plot of
 val bpb against the training budget per corpus out.
 
-    python scripts/quality_study.py \\
+    python -m lab.quality.study \\
         --cell "debug/built-in:1e13:0=outputs/q/debug_builtin_s0;1=outputs/q/debug_builtin_s1" \\
         --cell "small/built-in:4e13:0=outputs/q/small_builtin_s0" \\
         --md study.md --json study.json --plot docs/images/quality_scales.png
 
 A cell is ``SCALE/CORPUS:BUDGET:SEED=DIR[+DIR...][;SEED=DIR...]``: each DIR is a ``--out`` folder of
-quality_benchmark.py (several folders of one seed are merged). A run counts only if its last validation
+lab.quality.benchmark (several folders of one seed are merged). A run counts only if its last validation
 came at the budget or later (a run stopped early is left out and named on stderr), so every figure is
 at equal training FLOPs.
 
-``--study depth`` runs a whole study instead, in one command with a deadline (issue 37: per-segment depth
-against the shipped model and fixed segments, debug and small, built-in corpus and prose, two seeds):
+``--study loops`` runs a whole study instead, in one command with a deadline: two core loops against the
+shipped one, debug and small, built-in corpus and prose, two seeds:
 
-    python scripts/quality_study.py --study depth --prose data/prose --out outputs/depth_study --minutes 8
+    python -m lab.quality.study --study loops --prose data/prose --out outputs/loops_study --minutes 8
 
 Its runs go side by side (``--jobs``; on a GPU they share it), each stopped at the deadline (left out and
-listed); it writes ``study.md`` (the tables, and the aims: per-segment depth within 0.005 bpb of the
-shipped model in every cell and better on the mean; eval at a higher test-time depth better than at the
-trained depth by 0.005 bpb) and ``study.json`` under ``--out``. ``--report-only`` rebuilds them from the
-runs already there.
+listed); it writes ``study.md`` (the tables, and the aims: the candidate within 0.005 bpb of the baseline in
+every cell and better on the mean; eval at a higher test-time depth better than at the trained depth by
+0.005 bpb) and ``study.json`` under ``--out``. ``--report_only`` rebuilds them from the runs already there.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
-from quality_benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, same_runs, summarise
+from lab.quality.benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, same_runs, summarise
 
 ORDER = [r.name for r in RUNS]
 MAIN = (
@@ -55,7 +54,7 @@ class Cell:
     scale: str
     corpus: str
     budget: float
-    # run name -> seed -> summary (quality_benchmark.summarise)
+    # run name -> seed -> summary (lab.quality.benchmark.summarise)
     runs: dict[str, dict[int, dict]] = field(default_factory=dict)
 
     @property
@@ -81,7 +80,7 @@ def load_cell(spec: str) -> Cell:
 
 
 def read_cell(scale: str, corpus: str, budget: float, dirs: dict[int, list[Path]]) -> Cell:
-    """The runs of one cell found in ``dirs`` (seed -> quality_benchmark.py output folders)."""
+    """The runs of one cell found in ``dirs`` (seed -> lab.quality.benchmark output folders)."""
     cell = Cell(scale, corpus, budget)
     by_name = {r.name: r for r in RUNS}
     for seed, folders in dirs.items():
@@ -138,23 +137,9 @@ def tables(cells: list[Cell]) -> str:
             f"- {c.label}: bytes/segment train {rng('train_bps')}, eval {rng('eval_bps')}; "
             f"smallest expert load {load:.3f} of routed slots (uniform {1 / 8:.3f})"
         )
-        for name, by_seed in c.runs.items():  # per-segment depth: segments by the loops they ran
-            hist = [loops_histogram(s[f"depth_shares_{when}"]) for s in by_seed.values() for when in ("train", "eval")]
-            if all(hist):
-                spans = [f"{n}: {min(h[n] for h in hist):.0%}-{max(h[n] for h in hist):.0%}" for n in hist[0]]
-                line += f"; {name}: segments by loops run (train and eval) {', '.join(spans)}"
         telemetry.append(line)
     out += ["", "Telemetry over every Spider run of the cell (last logged step; eval at the last validation):", ""]
     return "\n".join(out + telemetry)
-
-
-def loops_histogram(shares: dict[int, float] | None) -> dict[int, float]:
-    """Share of segments by the loops they ran, from the share that ran each loop after the first (a loop
-    runs only on segments that ran the one before); empty without per-segment depth."""
-    if not shares:
-        return {}
-    ran = {1: 1.0, **shares, max(shares) + 1: 0.0}
-    return {n: ran[n] - ran[n + 1] for n in range(1, max(shares) + 1)}
 
 
 def plot(cells: list[Cell], path: Path) -> None:
@@ -203,7 +188,7 @@ class Study:
 
 
 STUDIES = {
-    "depth": Study(
+    "loops": Study(
         cells=(
             ("debug", "built-in", 1e13),
             ("small", "built-in", 4e13),
@@ -211,28 +196,28 @@ STUDIES = {
             ("small", "prose", 4e13),
         ),
         seeds=(0, 1),
-        runs=("spider", "spider_fixed_segments", "spider_depth"),
+        runs=("spider", "spider_fixed_segments", "spider_loops2"),
         baseline="spider",
-        candidate="spider_depth",
+        candidate="spider_loops2",
     ),
 }
 
 
 def cell_dir(out: Path, scale: str, corpus: str, seed: int) -> Path:
-    """Where a study keeps one cell's runs of one seed (a quality_benchmark.py ``--out`` folder)."""
+    """Where a study keeps one cell's runs of one seed (a lab.quality.benchmark ``--out`` folder)."""
     return out / f"{scale}_{corpus.replace('-', '')}_s{seed}"
 
 
 def run_study(study: Study, args) -> list[str]:
-    """Every (cell, seed, run) of ``study`` through quality_benchmark.run_one, ``args.jobs`` at a time, all
+    """Every (cell, seed, run) of ``study`` through lab.quality.benchmark.run_one, ``args.jobs`` at a time, all
     stopped at ``args.minutes`` after the start; the runs left unfinished, as 'cell seed run: why'. A run that
-    trains what another run of its cell trains (quality_benchmark.same_runs) is linked to it, not run again."""
+    trains what another run of its cell trains (lab.quality.benchmark.same_runs) is linked to it, not run again."""
     deadline = time.time() + 60 * args.minutes
     by_name = {r.name: r for r in RUNS}
 
     def bench_args(scale: str, corpus: str, budget: float, seed: int):
         data = args.prose if corpus == "prose" else None
-        return arg_parser().parse_args(  # quality_benchmark.py's own defaults, with the cell's budget and data
+        return arg_parser().parse_args(  # lab.quality.benchmark's own defaults, with the cell's budget and data
             ["--flavor", scale, "--seed", str(seed), "--flops", str(budget), "--threads", str(args.threads)]
             + ["--probe-steps", str(args.probe_steps), "--val-points", str(args.val_points)]
             + ["--eval-loops", "trained,max"]
@@ -276,15 +261,13 @@ def pooled(values: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def test_time_options(by_seed: dict[int, dict]) -> dict[str, list[tuple[float, float]]]:
-    """Per option of a higher test-time depth ('@4', '@3 x2 shares', ...): each seed's paired difference
-    to the trained depth (the first eval_loops row), with its standard error."""
+    """Per option of a higher test-time depth ('@4', ...): each seed's paired difference to the trained
+    depth (the first eval_loops row), with its standard error."""
     options: dict[str, list[tuple[float, float]]] = {}
     for s in by_seed.values():
         rows = s.get("test_time") or []
         for r in rows[1:]:
-            scale = r.get("depth_scale", 1.0)
-            key = f"@{r['n_loops']}" + ("" if scale == 1.0 else f" x{scale:g} shares")
-            options.setdefault(key, []).append((r["diff_bpb"], r["se_bpb"]))
+            options.setdefault(f"@{r['n_loops']}", []).append((r["diff_bpb"], r["se_bpb"]))
     return {k: v for k, v in options.items() if len(v) == len(by_seed)}
 
 
@@ -329,7 +312,7 @@ def aims(cells: list[Cell], study: Study) -> str:
         )
     out = [
         f"Aims ({study.candidate} against {study.baseline}, paired by seed; a higher test-time depth is more "
-        "loops or twice the trained shares, against the trained depth on the same val windows):",
+        "loops, against the trained depth on the same val windows):",
         "",
         *lines,
     ]
@@ -350,7 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cell", action="append", default=[], help="SCALE/CORPUS:BUDGET:SEED=DIR[+DIR][;SEED=DIR]")
     p.add_argument("--study", choices=sorted(STUDIES), default=None, help="run this whole study (see above)")
     p.add_argument("--out", default="outputs/study", help="--study: the runs' folders, study.md and study.json")
-    p.add_argument("--prose", default=None, help="--study: the prose corpus (a bytes folder, scripts/html_to_prose.py)")
+    p.add_argument(
+        "--prose", default=None, help="--study: the prose corpus (a bytes folder, python -m lab.corpus.html_to_prose)"
+    )
     p.add_argument("--minutes", type=float, default=8.0, help="--study: stop every run this long after the start")
     p.add_argument(
         "--jobs",
@@ -360,13 +345,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="--study: OMP threads per run")
     p.add_argument("--seeds", default=None, help="--study: these seeds instead of the study's (e.g. 1)")
-    p.add_argument("--runs", default=None, help="--study: these runs instead of the study's (quality_benchmark names)")
+    p.add_argument(
+        "--runs", default=None, help="--study: these runs instead of the study's (lab.quality.benchmark names)"
+    )
     p.add_argument(
         "--budget_scale", type=float, default=1.0, help="--study: scale every budget (a quick dry run: 0.005)"
     )
     p.add_argument("--probe_steps", type=int, default=60, help="--study: steps of each run's FLOPs probe")
     p.add_argument("--val_points", type=int, default=4, help="--study: validations per run (whole val split each)")
-    p.add_argument("--report-only", action="store_true", help="--study: tables from the runs already under --out")
+    p.add_argument("--report_only", action="store_true", help="--study: tables from the runs already under --out")
     p.add_argument("--md", default=None, help="write the tables here")
     p.add_argument("--json", default=None, help="write every counted run's summary here")
     p.add_argument("--plot", default=None, help="write the picture here")
@@ -384,9 +371,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         unknown = set(study.runs) - {r.name for r in RUNS}
         if unknown:
-            raise SystemExit(f"--runs: unknown {sorted(unknown)} (quality_benchmark.py --list)")
+            raise SystemExit(f"--runs: unknown {sorted(unknown)} (python -m lab.quality.benchmark --list)")
         if args.prose is None and any(c[1] == "prose" for c in study.cells) and not args.report_only:
-            raise SystemExit(f"--study {args.study} has prose cells: give --prose DIR (scripts/html_to_prose.py)")
+            raise SystemExit(
+                f"--study {args.study} has prose cells: give --prose DIR (python -m lab.corpus.html_to_prose)"
+            )
         if args.prose is not None and not (Path(args.prose) / "train").is_dir():
             raise SystemExit(f"--prose {args.prose}: not a bytes folder (no train/ inside)")
         if args.jobs is None:  # on a GPU every run at once (their processes share it), else one per core

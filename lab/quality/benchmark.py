@@ -1,9 +1,9 @@
 """Equal-compute quality benchmark: Spider, its ablations and the dense baseline, each trained to
 the same training-FLOPs budget on the same corpus, validated on the whole val split.
 
-    python scripts/quality_benchmark.py                      # built-in corpus, 1e13 FLOPs per run
-    python scripts/quality_benchmark.py --data DIR --flops 3e13 --out outputs/quality
-    python scripts/quality_benchmark.py --runs spider,dense  # a subset (names: --list)
+    python -m lab.quality.benchmark                      # built-in corpus, 1e13 FLOPs per run
+    python -m lab.quality.benchmark --data DIR --flops 3e13 --out outputs/quality
+    python -m lab.quality.benchmark --runs spider,dense  # a subset (names: --list)
 
 Every run is ``python -m spider_titan.train`` with the shipped debug configs plus overrides (no
 other code path). By default (``--length flops``) each run trains to the budget itself
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPIDER_CONFIG = "train_configs/debug_model.toml"
 DENSE_CONFIG = "train_configs/debug_dense.toml"
 
@@ -192,49 +192,10 @@ RUNS = [
         "the last loop, random initial state, no per-loop LoRA",
     ),
     Run(
-        "spider_depth",
-        SPIDER_CONFIG,
-        ("--model.n_loops", "3", "--model.depth_capacity", "[0.5, 0.5, 0.25]"),
-        "per-segment depth: 3 loops, the 2nd and 3rd on at most half of the segments (the core's FLOPs of 2 loops)",
-    ),
-    Run(
-        "spider_depth4",
-        SPIDER_CONFIG,
-        ("--model.n_loops", "4", "--model.depth_capacity", "[0.5, 0.25, 0.25]"),
-        "per-segment depth: 4 loops on shares 1, 1/2, 1/4, 1/4 of the segments (the core's FLOPs of 2 loops)",
-    ),
-    Run(
-        "spider_depth_no_exit1",
-        SPIDER_CONFIG,
-        ("--model.n_loops", "3", "--model.depth_capacity", "[1.0, 0.5, 0.25]"),
-        "per-segment depth with no exit after loop 1: every segment runs loops 1 and 2, the router picks half for loop 3",
-    ),
-    Run(
-        "spider_depth_sampled",
-        SPIDER_CONFIG,
-        ("--model.n_loops", "3", "--model.depth_capacity", "[0.5, 0.5, 0.25]", "--model.depth_scale_range", "2"),
-        "spider_depth with each step's shares scaled by a factor drawn log-uniformly in [1/2, 2]",
-    ),
-    Run(
-        "spider_depth_tail",
-        SPIDER_CONFIG,
-        (
-            *TWO_LOOPS,
-            "--model.depth_capacity",
-            "[0.5, 0.25, 0.25]",
-            "--model.loop_sampling",
-            "tail",
-            "--model.loop_step_size",
-            "true",
-        ),
-        "2 loops, per-segment depth on shares 1/2, 1/4, 1/4, a tenth of the steps at 4 loops (full "
-        "backprop), a learned step size per loop",
-    ),
-    Run(
         "spider_tail_full",
         SPIDER_CONFIG,
         (*TWO_LOOPS, "--model.loop_sampling", "tail", "--model.loop_step_size", "true"),
-        "spider_depth_tail's control: the same tail sampling and step sizes, every segment every loop",
+        "2 loops, trained at 2x the mean loops on a tenth of the steps (full backprop), a learned step size per loop",
     ),
     Run(
         "spider_invariant_full",
@@ -325,11 +286,8 @@ def flops_per_step(
 
 
 def eval_loops_cmd(run: Run, dump: Path, loops: str, data: str | None) -> list[str]:
-    """scripts/eval_loops.py on a run's export: at ``loops``, and for per-segment depth also at twice the
-    trained shares (test-time depth by capacity)."""
-    cmd = [sys.executable, "scripts/eval_loops.py", "--model", str(dump / "export"), "--loops", loops]
-    if "--model.depth_capacity" in run.overrides:
-        cmd += ["--depth_scale", "1,2"]
+    """scripts/evaluate.py on a run's export at ``loops``, each count paired with the first."""
+    cmd = [sys.executable, "scripts/evaluate.py", "--model", str(dump / "export"), "--loops", loops]
     cmd += ["--json", str(dump / "eval_loops.json")]
     return cmd + (["--data", str(Path(data).resolve())] if data else [])
 
@@ -377,20 +335,17 @@ def load_result(run: Run, dump: Path, steps: int | None = None) -> dict:
 
 
 def read_eval_loops(dump: Path) -> list[dict]:
-    """The rows of the run's eval_loops.json (one per loop count and depth scale; the first is the
-    reference), or none."""
+    """The rows of the run's eval_loops.json (one per loop count; the first is the reference), or none."""
     path = dump / "eval_loops.json"
     return json.loads(path.read_text()) if path.exists() else []
 
 
 def more_loops(rows: list[dict]) -> tuple[int, int, float, float] | None:
-    """(reference loops, most loops, bpb difference, its standard error) at the trained shares, from
-    eval_loops rows."""
-    plain = [r for r in rows if r.get("depth_scale", 1.0) == 1.0]
-    if len(plain) < 2:
+    """(reference loops, most loops, bpb difference, its standard error) from eval_loops rows."""
+    if len(rows) < 2:
         return None
-    last = max(plain, key=lambda r: r["n_loops"])
-    return plain[0]["n_loops"], last["n_loops"], last["diff_bpb"], last["se_bpb"]
+    last = max(rows, key=lambda r: r["n_loops"])
+    return rows[0]["n_loops"], last["n_loops"], last["diff_bpb"], last["se_bpb"]
 
 
 def summarise(result: dict) -> dict:
@@ -414,11 +369,6 @@ def summarise(result: dict) -> dict:
         "eval_loops": last_v.get("val_mean_loops"),
         "load_min": last_t.get("expert_load_min"),
         "load_max": last_t.get("expert_load_max"),
-        # per-segment depth: the share of segments that ran each loop after the first (loop -> share)
-        "depth_shares_train": {int(k.rsplit("_", 1)[1]): v for k, v in last_t.items() if k.startswith("depth_share_")},
-        "depth_shares_eval": {
-            int(k.rsplit("_", 1)[1]): v for k, v in last_v.items() if k.startswith("val_depth_share_")
-        },
         "loops_paired": more_loops(result.get("test_time") or []),
         "test_time": result.get("test_time") or [],
         "curve": [(r["train_flops"], r["val_bpb"]) for r in val if "train_flops" in r],
@@ -526,7 +476,7 @@ def same_runs(runs: list[Run], args) -> dict[str, str]:
 
 
 def arg_parser() -> argparse.ArgumentParser:
-    """The command line (documented by ``--help``); quality_study.py builds its runs' arguments with it."""
+    """The command line (documented by ``--help``); lab.quality.study builds its runs' arguments with it."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -562,9 +512,8 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-loops",
         default="trained,max",
-        help="after each Spider run, scripts/eval_loops.py at these loop counts ('trained', 'max' or numbers; "
-        "the paired difference to the first, with its standard error; per-segment depth also at twice its "
-        "shares); empty: skip",
+        help="after each Spider run, scripts/evaluate.py at these loop counts ('trained', 'max' or numbers; "
+        "the paired difference to the first, with its standard error); empty: skip",
     )
     p.add_argument(
         "--spider-set",

@@ -1,6 +1,6 @@
 """How much segment capacity a corpus needs: a trained Spider's segment counts per row and per batch.
 
-    python scripts/segment_capacity.py --model outputs/my_run/export --data data/my_corpus --seq 4096 --batch 4
+    python -m lab.analysis.segment_capacity --model outputs/my_run/export --data data/my_corpus --seq 4096 --batch 4
 
 ``model.segment_capacity`` c gives every row ``ceil(c * seq / target)`` segment slots, and
 ``model.packed_capacity`` p gives the batch ``ceil(p * batch * seq / target)`` packed positions (static shapes,

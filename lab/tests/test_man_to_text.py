@@ -1,4 +1,4 @@
-"""scripts/man_to_text.py: manual pages to a jsonl corpus of plain text."""
+"""lab/corpus/man_to_text.py: manual pages to a jsonl corpus of plain text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from scripts import man_to_text
+from lab.corpus import man_to_text
 
 PAGE = b""".TH FROB 1
 .SH NAME

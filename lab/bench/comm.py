@@ -1,6 +1,6 @@
 """The ``comm`` benchmark: bytes each collective moves per training step, by parallel layout.
 
-    python scripts/benchmark.py comm
+    python -m lab.bench.benchmark comm
 
 Runs ``comm_world_size`` (default 2) gloo processes on this machine and measures with the
 CommCounter (comm_counter.py). Byte counts do not depend on the device, so a CPU measures what a
@@ -260,7 +260,7 @@ _RUNNERS = {
 }
 
 
-if __name__ == "__main__":  # python scripts/bench_comm.py [scenario ...]
+if __name__ == "__main__":  # python -m lab.bench.comm [scenario ...]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", metavar="scenario", help=f"any of {list(SCENARIOS)} (default: all)")
     chosen = parser.parse_args().scenarios
@@ -286,7 +286,7 @@ def benchmark_ep_capacity(args: argparse.Namespace) -> dict:
     import sys
 
     steps = int(getattr(args, "capacity_steps", None) or 150)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     modes = [("dynamic", None)] + [("capacity", f) for f in CAPACITY_FACTORS]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

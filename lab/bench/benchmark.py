@@ -1,7 +1,7 @@
 """Run named benchmark scenarios and print JSON; with two scenarios, also their ratio.
 
-    python scripts/benchmark.py dense_debug spider_debug --steps 20 --warmup 3
-    python scripts/benchmark.py dense_debug --set training.seq_len=1024 --markdown docs/benchmarks.md
+    python -m lab.bench.benchmark dense_debug spider_debug --steps 20 --warmup 3
+    python -m lab.bench.benchmark dense_debug --set training.seq_len=1024 --markdown docs/benchmarks.md
 
 A *training* scenario is a config plus overrides, run in this process for ``--warmup`` steps
 (not timed) and then ``--steps`` timed steps: tokens/s, step time median/min/max, peak memory.
@@ -10,10 +10,10 @@ SCENARIOS. Scenarios given together run in this one process, one after the other
 compares like with like on the same machine. ``--markdown FILE`` appends the command, the machine
 and the results to FILE.
 
-``python scripts/benchmark.py gpu_1b [--help]`` is the GPU harness of Spider 1B against dense 1B
-(scripts/bench_gpu.py): its own flags, one markdown table and one JSON. ``python scripts/benchmark.py
+``python -m lab.bench.benchmark gpu_1b [--help]`` is the GPU harness of Spider 1B against dense 1B
+(lab/bench/gpu.py): its own flags, one markdown table and one JSON. ``python -m lab.bench.benchmark
 quantize --model EXPORT [--help]`` is the quality and size table of an export in fp32, bf16, int8 and
-int4 (scripts/bench_quantize.py), also with its own flags.
+int4 (lab/bench/quantize.py), also with its own flags.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[2]
 
 # name -> (config file, overrides)
 TRAIN_SCENARIOS: dict[str, tuple[str, list[str]]] = {
@@ -402,8 +404,8 @@ def _core_block_live_bytes(block, args, *, seq: int) -> int:
 @scenario("comm")
 def comm(args: argparse.Namespace) -> dict:
     """Bytes all-gathered / reduce-scattered / all-to-all'd per step on 2 gloo ranks: core bytes
-    vs n_loops, fp8 vs bf16 all-gather, expert parallel (scripts/bench_comm.py)."""
-    from bench_comm import benchmark_comm
+    vs n_loops, fp8 vs bf16 all-gather, expert parallel (lab/bench/comm.py)."""
+    from lab.bench.comm import benchmark_comm
 
     return benchmark_comm(args)
 
@@ -474,7 +476,7 @@ def _time_generate_script(model: torch.nn.Module, prompt: bytes, export: str | N
             identity = ModelIdentity.of("spider", "debug", dataclasses.asdict(model.args))
             write_export(model.state_dict(), identity, Path(export), dtype=torch.float32)
         (Path(tmp) / "prompt").write_bytes(prompt)
-        base = [sys.executable, str(Path(__file__).with_name("generate.py")), "--model", export, "--report"]
+        base = [sys.executable, str(REPO / "scripts" / "generate.py"), "--model", export, "--report"]
         base += ["--prompt_file", str(Path(tmp) / "prompt"), "--max_new_bytes", "200", "--device", "cpu"]
         row = {"model": label, "prompt_bytes": len(prompt), "new_bytes": 200}
         for name, extra in (("cached", []), ("no_cache", ["--no_cache"])):
@@ -490,8 +492,8 @@ def _time_generate_script(model: torch.nn.Module, prompt: bytes, export: str | N
 @scenario("ep_capacity")
 def ep_capacity(args: argparse.Namespace) -> dict:
     """Expert-parallel all-to-all bytes and dropped pairs: dynamic vs fixed-capacity dispatch at several
-    capacity factors, on 2 gloo ranks training the debug model (scripts/bench_comm.py)."""
-    from bench_comm import benchmark_ep_capacity
+    capacity factors, on 2 gloo ranks training the debug model (lab/bench/comm.py)."""
+    from lab.bench.comm import benchmark_ep_capacity
 
     return benchmark_ep_capacity(args)
 
@@ -499,8 +501,8 @@ def ep_capacity(args: argparse.Namespace) -> dict:
 @scenario("checkpoint_io")
 def checkpoint_io(args: argparse.Namespace) -> dict:
     """DCP save/load time and size for the debug flavors, and the 1B flavors estimated from a
-    meta-device model and the measured disk bandwidth (scripts/bench_checkpoint.py)."""
-    from bench_checkpoint import benchmark_checkpoint_io
+    meta-device model and the measured disk bandwidth (lab/bench/checkpoint.py)."""
+    from lab.bench.checkpoint import benchmark_checkpoint_io
 
     return benchmark_checkpoint_io(args)
 
@@ -509,8 +511,8 @@ def checkpoint_io(args: argparse.Namespace) -> dict:
 def kernel_bytes(args: argparse.Namespace) -> dict:
     """Bytes Inductor's kernels move per compiled step of the reduced-width Spider 1B (bf16, CPU), by
     kernel, under each training.mixed_precision_mode: a proxy for a GPU step's non-GEMM time
-    (scripts/bench_kernel_bytes.py)."""
-    from bench_kernel_bytes import benchmark_kernel_bytes
+    (lab/bench/kernel_bytes.py)."""
+    from lab.bench.kernel_bytes import benchmark_kernel_bytes
 
     return benchmark_kernel_bytes(args)
 
@@ -518,19 +520,19 @@ def kernel_bytes(args: argparse.Namespace) -> dict:
 @scenario("eager_bytes")
 def eager_bytes(args: argparse.Namespace) -> dict:
     """Bytes the ops outside compiled code move per step of ``--config`` (default: the one-GPU Spider 1B)
-    at its real width, on fake tensors, by op and by source line (scripts/bench_eager_bytes.py)."""
-    from bench_eager_bytes import benchmark_eager_bytes
+    at its real width, on fake tensors, by op and by source line (lab/bench/eager_bytes.py)."""
+    from lab.bench.eager_bytes import benchmark_eager_bytes
 
     return benchmark_eager_bytes(args)
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["gpu_1b"]:  # the GPU harness has its own command line (bench_gpu.py)
-        from bench_gpu import main as gpu_1b
+    if sys.argv[1:2] == ["gpu_1b"]:  # the GPU harness has its own command line (gpu.py)
+        from lab.bench.gpu import main as gpu_1b
 
         return gpu_1b(sys.argv[2:])
-    if sys.argv[1:2] == ["quantize"]:  # exports in four formats, its own command line (bench_quantize.py)
-        from bench_quantize import main as quantize
+    if sys.argv[1:2] == ["quantize"]:  # exports in four formats, its own command line (quantize.py)
+        from lab.bench.quantize import main as quantize
 
         return quantize(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -576,7 +578,7 @@ def main() -> int:
     print(text)
     if args.markdown:
         with open(args.markdown, "a") as f:
-            f.write(f"\n### `{' '.join(['python scripts/benchmark.py'] + sys.argv[1:])}`\n\n")
+            f.write(f"\n### `{' '.join(['python -m lab.bench.benchmark'] + sys.argv[1:])}`\n\n")
             f.write(f"Machine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n```json\n{text}\n```\n")
     return 0
 

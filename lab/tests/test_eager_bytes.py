@@ -1,4 +1,4 @@
-"""scripts/benchmark.py eager_bytes (scripts/bench_eager_bytes.py): the bytes a step's eager ops move at a
+"""lab/bench/benchmark.py eager_bytes (lab/bench/eager_bytes.py): the bytes a step's eager ops move at a
 config's real width, on the planner's fake tensors. The counts are checked against sizes known from the
 model itself, and the compiled glue (the spec's ``compiled_modules``) must leave the eager count."""
 
@@ -14,11 +14,10 @@ CONFIG = str(REPO / "train_configs/debug_model.toml")
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    import bench_eager_bytes
+def bench():
+    from lab.bench import eager_bytes
 
-    return bench_eager_bytes
+    return eager_bytes
 
 
 def _measure(bench, compiled: bool):

@@ -139,7 +139,7 @@ def estimate(name: str, flavor: str, bandwidth: dict[str, float]) -> dict[str, A
 
 
 def benchmark_checkpoint_io(args) -> dict[str, Any]:
-    """The ``checkpoint_io`` scenario of scripts/benchmark.py; works under ``args.dump_folder``."""
+    """The ``checkpoint_io`` scenario of lab/bench/benchmark.py; works under ``args.dump_folder``."""
     root = Path(args.dump_folder) / "checkpoint_io"
     if root.exists():
         shutil.rmtree(root)

@@ -1,5 +1,5 @@
 """Bytes Inductor's kernels move in one compiled training step, by kernel: a CPU proxy for the GPU time
-a step spends outside its GEMMs (``python scripts/benchmark.py kernel_bytes``).
+a step spends outside its GEMMs (``python -m lab.bench.benchmark kernel_bytes``).
 
 The step is the reduced-width Spider 1B of the GPU harness (the 1B block, loop and expert structure at
 dim 256), static shapes, compiled, bf16, once per ``training.mixed_precision_mode`` (``params`` and
@@ -18,13 +18,11 @@ import collections
 import dataclasses
 import math
 import re
-import sys
 from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parent
+REPO = Path(__file__).resolve().parents[2]
 # the harness's reduced widths at dim 256: wide enough that activations, not weights, dominate
 WIDTHS = {
     "dim": 256,
@@ -95,8 +93,8 @@ class _GraphBytes:
 
 def _outside_bytes(host: list) -> int:
     """The inputs read by the ops the GPU harness counts as launched outside compiled code
-    (``bench_gpu.count_launches``: no views or bare allocations), matmuls left out, from a profile."""
-    from bench_gpu import REGION_PREFIXES, count_launches
+    (``lab.bench.gpu.count_launches``: no views or bare allocations), matmuls left out, from a profile."""
+    from lab.bench.gpu import REGION_PREFIXES, count_launches
 
     _, launched = count_launches(host)
     regions = [(e.start_ns(), e.end_ns()) for e in host if e.name().startswith(REGION_PREFIXES)]
@@ -113,10 +111,9 @@ def _outside_bytes(host: list) -> int:
 def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
     """One compiled bf16 step of the reduced-width Spider 1B under ``mode``: MiB per step by kind, and
     the generated kernels that move the most."""
-    sys.path.insert(0, str(SCRIPTS))
-    from bench_gpu import host_events, warm_router
     from torch.profiler import ProfilerActivity, profile
 
+    from lab.bench.gpu import host_events, warm_router
     from spider_titan.config.manager import parse_args
     from spider_titan.parallel.precision import compute_precision
     from spider_titan.train import Trainer

@@ -1,5 +1,5 @@
 """Bytes the ops outside compiled code move in one training step at a config's real width, on fake
-tensors (``python scripts/benchmark.py eager_bytes --config train_configs/spider_1b_1gpu.toml``).
+tensors (``python -m lab.bench.benchmark eager_bytes --config train_configs/spider_1b_1gpu.toml``).
 
 ``kernel_bytes`` measures a compiled step at reduced width, where the weights weigh more against the
 activations than at 1B. This runs the planner's step instead (spider_titan/plan/: the config's width,
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gpu import NO_KERNEL  # the GPU harness's ops that launch no kernel: views, bare allocations
 from torch.utils._pytree import tree_flatten
 
-REPO = Path(__file__).resolve().parent.parent
+from lab.bench.gpu import NO_KERNEL  # the GPU harness's ops that launch no kernel: views, bare allocations
+
+REPO = Path(__file__).resolve().parents[2]
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}
 
 

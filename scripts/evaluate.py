@@ -1,11 +1,11 @@
 """Val bits per byte of one trained Spider at several eval loop counts, with each count's paired
 difference to the first and the difference's standard error over the val windows.
 
-    python scripts/eval_loops.py --model RUN/export --loops 2,4                # built-in corpus
-    python scripts/eval_loops.py --model RUN/export --data data/prose --loops 2,4 --json out.json
-    python scripts/eval_loops.py --model RUN/export --loops 3,4 --depth_scale 1,2  # per-segment depth
-    python scripts/eval_loops.py --model RUN/export --loops trained,max          # n_loops, max_loops
-    python scripts/eval_loops.py --model A/export --model B/export --data data/held_out  # models, B against A
+    python scripts/evaluate.py --model RUN/export --loops 2,4                # built-in corpus
+    python scripts/evaluate.py --model RUN/export --data data/prose --loops 2,4 --json out.json
+    python scripts/evaluate.py --model RUN/export --loops 3,4 --depth_scale 1,2  # per-segment depth
+    python scripts/evaluate.py --model RUN/export --loops trained,max          # n_loops, max_loops
+    python scripts/evaluate.py --model A/export --model B/export --data data/held_out  # models, B against A
 
 The counts are evaluated on the same bytes (the whole val split, as ``validation.steps = -1``), so
 their difference is measured far more precisely than either figure: the standard error is the

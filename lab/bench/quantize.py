@@ -1,6 +1,6 @@
 """Quality and size of one trained export written as fp32, bf16, int8 and int4 (``--quantize``).
 
-    python scripts/benchmark.py quantize --model outputs/debug_model/export --data builtin,data/prose
+    python -m lab.bench.benchmark quantize --model outputs/debug_model/export --data builtin,data/prose
 
 Each format is written by scripts/export_safetensors.py's code (``export_checkpoint``, the export
 re-exported) into ``--out`` and loaded by ``generation.load_model`` (fp32 compute, as generate.py).
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 print(method, label, flush=True)
 
-    from benchmark import machine
+    from lab.bench.benchmark import machine
 
     report = {"machine": machine(), "model": args.model, "windows": args.seq_len, "rows": rows, "ablation": ablation}
     (out / "quantize.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.markdown:
         with open(args.markdown, "a") as f:
-            command = " ".join(["python scripts/benchmark.py quantize", *(sys.argv[2:] if argv is None else argv)])
+            command = " ".join(["python -m lab.bench.benchmark quantize", *(sys.argv[2:] if argv is None else argv)])
             f.write(f"\n`{command}`\n\nMachine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n{table}\n")
     return 0
 

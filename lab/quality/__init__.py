@@ -1,0 +1,1 @@
+"""Equal-compute quality benchmark (``benchmark``) and the study over its outputs (``study``)."""
