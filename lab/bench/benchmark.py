@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from lab.bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,12 +50,6 @@ def scenario(name: str):
         return fn
 
     return register
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), torch {torch.__version__}"
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def run_training(config: str, overrides: list[str], args: argparse.Namespace) -> dict:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from lab.bench.gpu import NO_KERNEL  # the GPU harness's ops that launch no kernel: views, bare allocations
+from lab.bench.launches import NO_KERNEL  # ops that launch no kernel: views, bare allocations
 
 REPO = Path(__file__).resolve().parents[2]
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from lab.bench.launches import REGION_PREFIXES, count_launches, host_events
+
 REPO = Path(__file__).resolve().parents[2]
 # the harness's reduced widths at dim 256: wide enough that activations, not weights, dominate
 WIDTHS = {
@@ -93,9 +95,7 @@ class _GraphBytes:
 
 def _outside_bytes(host: list) -> int:
     """The inputs read by the ops the GPU harness counts as launched outside compiled code
-    (``lab.bench.gpu.count_launches``: no views or bare allocations), matmuls left out, from a profile."""
-    from lab.bench.gpu import REGION_PREFIXES, count_launches
-
+    (``lab.bench.launches.count_launches``: no views or bare allocations), matmuls left out, from a profile."""
     _, launched = count_launches(host)
     regions = [(e.start_ns(), e.end_ns()) for e in host if e.name().startswith(REGION_PREFIXES)]
     total = 0
@@ -113,7 +113,7 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
     the generated kernels that move the most."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lab.bench.gpu import host_events, warm_router
+    from lab.bench.gpu import warm_router
     from spider_titan.config.manager import parse_args
     from spider_titan.parallel.precision import compute_precision
     from spider_titan.train import Trainer

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from lab.bench.machine import machine
 from spider_titan import registry
 from spider_titan.checkpoint.export import export_checkpoint
 from spider_titan.data.loader import ByteDataLoader
@@ -137,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
                     "vs_kept": _paired(got, ref, corpora),
                 }
                 print(method, label, flush=True)
-
-    from lab.bench.benchmark import machine
 
     report = {"machine": machine(), "model": args.model, "windows": args.seq_len, "rows": rows, "ablation": ablation}
     (out / "quantize.json").write_text(json.dumps(report, indent=1) + "\n")

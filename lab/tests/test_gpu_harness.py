@@ -148,9 +148,9 @@ def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):
 
 
 def test_the_launch_count_skips_views_and_counts_copies(monkeypatch):
-    """bench_gpu.count_launches on an eager trace: views, allocations and a no-op ``to`` launch
+    """lab.bench.launches.count_launches on an eager trace: views, allocations and a no-op ``to`` launch
     nothing; a ``to`` that casts and a ``reshape`` that must copy launch one kernel each."""
-    from lab.bench.gpu import count_launches, host_events
+    from lab.bench.launches import count_launches, host_events
 
     x = torch.randn(8, 8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -4,7 +4,7 @@ A step that waits on its host (no CUDA graph: every multi-GPU run) costs about a
 launches per micro-batch whatever the micro-batch holds, so a larger micro-batch buys more bytes per
 launch; the shipped 8-GPU configs rely on that (docs/benchmarks.md). The debug flavor with static
 shapes (64-byte rows), eager, one profiled step at 2 and at 8 rows: the kernels a GPU would launch
-(lab/bench/gpu.py's count) must be the same. The control computes one part row by row, as a
+(lab/bench/launches.py's count) must be the same. The control computes one part row by row, as a
 Python loop over samples would, and its count grows with the rows.
 """
 
@@ -17,7 +17,7 @@ from tests.utils import TINY_SPIDER
 
 
 def _launches(tmp_path, batch: int) -> int:
-    from lab.bench.gpu import count_launches, host_events
+    from lab.bench.launches import count_launches, host_events
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 

@@ -7,7 +7,7 @@ is set before each step so the batch's bytes per segment walk from the 16-byte l
 swings after); the optimizer step moves it only a little. The segment count S is marked dynamic
 (recurrence.py), so after the first two steps (the first compiles, the second meets a new S) dynamo
 must not compile again, whatever S is. The last step is profiled: the kernels a GPU would launch
-for it (lab/bench/gpu.py's count) stay under a stated bound.
+for it (lab/bench/launches.py's count) stay under a stated bound.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def dynamo_recompile_log():
 def test_no_recompile_after_warmup_from_the_cap_down_to_3_bytes_and_back(
     in_process, tmp_path, dynamo_recompile_log, monkeypatch
 ):
-    from lab.bench.gpu import count_launches, host_events, outside_forward_backward
+    from lab.bench.launches import count_launches, host_events, outside_forward_backward
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 
@@ -102,7 +102,7 @@ def test_no_recompile_after_warmup_from_the_cap_down_to_3_bytes_and_back(
                     threshold.fill_(value)
                 if step < len(THRESHOLDS):
                     metrics = trainer.train_step(trainer.next_micro_batches(), step)
-                else:  # the last step profiled: what a GPU would launch (lab/bench/gpu.py's count)
+                else:  # the last step profiled: what a GPU would launch (lab/bench/launches.py's count)
                     batches = trainer.next_micro_batches()
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                         metrics = trainer.train_step(batches, step)
@@ -115,7 +115,7 @@ def test_no_recompile_after_warmup_from_the_cap_down_to_3_bytes_and_back(
         finally:
             trainer.close()
     print("\nlaunches per step:", launches)
-    # What a GPU would launch for this step (lab.bench.gpu.count_launches): 893 measured (508 ops outside
+    # What a GPU would launch for this step (lab.bench.launches.count_launches): 893 measured (508 ops outside
     # compiled code, 385 inside 16 compiled regions, the boundary predictor's and the byte n-grams' forward
     # and backward four of them; torch 2.13 CPU inductor), docs/benchmarks.md.
     assert launches["regions"] == 16 and launches["launched"] <= LAUNCH_BOUND, launches
