@@ -3,7 +3,12 @@
 The ```layers block of that page lists, lowest first, the module prefixes of each layer. Every
 ``spider_titan`` import in the package (read with ``ast``, so lazy imports inside functions count
 too) must point to a module of the same or a lower layer, and the module import graph has no
-cycle. The negative controls feed the same checks a made-up graph that breaks each rule.
+cycle. Around the package, the product (``spider_titan/``, ``scripts/``) never imports the lab
+(``lab/``), the lab's tools import the package and each other but neither ``scripts`` nor ``tests``
+(only ``lab/tests`` may), and the import graph of all three has no cycle either. Imports inside
+functions count everywhere: a lazy import still runs, and a circle through one is a circle the day
+the function is called (the package has none at module level or below). The negative controls feed
+the same checks a made-up graph or tree that breaks each rule.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from tests.utils import REPO
 
 PACKAGE = REPO / "spider_titan"
 DOC = REPO / "docs" / "architecture.md"
+# The product's code, the lab's, and what every module of the repository may import from each other.
+PRODUCT = ("spider_titan", "scripts")
+LAB = "lab"
+LAB_TESTS = "lab.tests"
 
 
 def read_layers(text: str) -> dict[str, int]:
@@ -37,31 +46,51 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def read_imports(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """module -> the modules of package ``root`` it imports (``from a import b`` counts as ``a.b``
-    when ``a.b`` is a module, else as ``a``)."""
-    top = root.name
-    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+def read_imports(root: Path = PACKAGE, *others: Path) -> dict[str, set[str]]:
+    """module -> the modules of ``root`` (and of the folders ``others`` beside it) it imports (``from a
+    import b`` counts as ``a.b`` when ``a.b`` is a module, else as ``a``). A folder without an
+    ``__init__.py`` (``scripts/``) counts as a package of its name, as ``from scripts import x`` reads it."""
+    roots = (root, *others)
+    tops = tuple(r.name for r in roots)
+    modules = {module_name(p, r): p for r in roots for p in r.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()
         is_package = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names if a.name.startswith(top))
+                targets.update(a.name for a in node.names if _inside(a.name, tops))
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative import
                     anchor = name.split(".") if is_package else name.split(".")[:-1]
                     anchor = anchor[: len(anchor) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                if not base.startswith(top):
+                if not _inside(base, tops):
                     continue
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
                     targets.add(sub if sub in modules else base)
         graph[name] = {t for t in targets if t != name}
     return graph
+
+
+def _inside(module: str, tops: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of the packages ``tops`` or inside one (``lab.x``, not ``labels``)."""
+    return any(module == top or module.startswith(top + ".") for top in tops)
+
+
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that break the product/lab rule: the product importing the lab, and the lab's tools
+    importing ``scripts`` or ``tests`` (the lab's tests may import the suite's helpers and scripts)."""
+    bad = []
+    for src, targets in sorted(graph.items()):
+        for dst in sorted(targets):
+            if _inside(src, PRODUCT) and _inside(dst, (LAB,)):
+                bad.append(f"{src} (the product) imports {dst} (the lab)")
+            elif _inside(src, (LAB,)) and not _inside(src, (LAB_TESTS,)) and _inside(dst, ("scripts", "tests")):
+                bad.append(f"{src} (the lab) imports {dst}: the lab imports the spider_titan package only")
+    return bad
 
 
 def layer_of(module: str, layers: dict[str, int]) -> int | None:
@@ -136,6 +165,8 @@ def folder_problems(graph: dict[str, set[str]], layers: dict[str, int]) -> list[
 
 LAYERS = read_layers(DOC.read_text())
 GRAPH = read_imports()
+# The whole repository's code: the package, the user's scripts and the lab (and the suite, which may import all).
+REPOSITORY = read_imports(PACKAGE, REPO / "scripts", REPO / LAB, REPO / "tests")
 
 
 def test_every_module_has_a_layer():
@@ -171,6 +202,53 @@ def test_the_folder_check_catches_a_contract_inside_an_assembler_folder():
 def test_no_import_cycle():
     cycle = find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_product_never_imports_the_lab_and_the_lab_only_the_package():
+    assert any(m.startswith("lab.bench.") for m in REPOSITORY) and "scripts.evaluate" in REPOSITORY  # all read
+    bad = crossings(REPOSITORY)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_in_the_repository():
+    """Among spider_titan, scripts and lab (the suite's modules left out: a test importing a test helper
+    is no circle a user meets), function-local imports included."""
+    code = {
+        m: {d for d in ds if not _inside(d, ("tests",))} for m, ds in REPOSITORY.items() if not _inside(m, ("tests",))
+    }
+    cycle = find_cycle(code)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_repository_checks_catch_a_crossing_and_a_circle(tmp_path):
+    """A made-up tree: the package imports the lab (lazily), a script imports the lab, a lab tool imports a
+    script and the suite, and two lab files import each other; the lab's tests may import scripts."""
+    files = {
+        "spider_titan/__init__.py": "",
+        "spider_titan/core.py": "def f():\n    from lab.bench import gpu\n",
+        "scripts/run.py": "import lab.bench.machine\n",
+        "lab/__init__.py": "",
+        "lab/bench/__init__.py": "",
+        "lab/bench/gpu.py": "from lab.bench.machine import machine\nimport spider_titan\n",
+        "lab/bench/machine.py": "from lab.bench import gpu\nfrom scripts import run\nimport tests.utils\n",
+        "lab/tests/__init__.py": "",
+        "lab/tests/test_x.py": "from scripts import run\nfrom tests.utils import REPO\n",
+        "tests/__init__.py": "",
+        "tests/utils.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = read_imports(*(tmp_path / top for top in ("spider_titan", "scripts", "lab", "tests")))
+    assert crossings(graph) == [
+        "lab.bench.machine (the lab) imports scripts.run: the lab imports the spider_titan package only",
+        "lab.bench.machine (the lab) imports tests.utils: the lab imports the spider_titan package only",
+        "scripts.run (the product) imports lab.bench.machine (the lab)",
+        "spider_titan.core (the product) imports lab.bench.gpu (the lab)",
+    ]
+    assert find_cycle(graph) == ["lab.bench.gpu", "lab.bench.machine", "lab.bench.gpu"]
+    graph["lab.bench.machine"] = set()  # both circles through it broken: none left
+    assert find_cycle(graph) is None
 
 
 @pytest.mark.parametrize(
