@@ -12,13 +12,13 @@ largest: every slot past it is computed for nothing.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from lab.cli import check_data, check_folder, check_output_file, check_positive, parser, refuse, write_whole
 from spider_titan import registry
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.generation import load_model
@@ -49,20 +49,34 @@ def summary(needed: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     }
 
 
+PROG = "python -m lab.analysis.segment_capacity"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(PROG, __doc__)
     p.add_argument("--model", required=True, metavar="DIR", help="an export (or a run folder) of a Spider")
     p.add_argument("--data", default=None, help="a bytes folder (default: the built-in corpus)")
-    p.add_argument("--split", default="train", choices=("train", "val"))
+    p.add_argument("--split", default="train", choices=("train", "val"), help="the split to segment (default train)")
     p.add_argument("--seq", type=int, default=4096, help="bytes per row (default 4096)")
     p.add_argument("--batch", type=int, default=4, help="rows per batch (default 4)")
     p.add_argument("--batches", type=int, default=60, help="batches to segment (default 60)")
     p.add_argument("--json", default=None, help="also write the summary here")
     args = p.parse_args(argv)
-    model, _ = load_model(Path(args.model), device="cpu")
+    check_positive(PROG, seq=args.seq, batch=args.batch, batches=args.batches)
+    check_folder(PROG, "--model", args.model, what="an export or a run folder of a Spider")
+    check_data(PROG, "--data", args.data)
+    check_output_file(PROG, "--json", args.json)
+    try:
+        model, _ = load_model(Path(args.model), device="cpu")
+        dataset = registry.get("dataset", "bytes" if args.data else "builtin")(args.data, split=args.split, seed=0)
+    except (FileNotFoundError, ValueError) as e:
+        raise refuse(PROG, str(e).splitlines()[0]) from None
+    if getattr(model, "chunker", None) is None:
+        raise refuse(
+            PROG, f"--model {args.model}: a {type(model).__name__} model has no segments; give a Spider export"
+        )
     if getattr(model, "boundary_predictor", None) is None:
-        raise SystemExit(f"{args.model}: no learned boundary predictor (fixed segments need no measuring)")
-    dataset = registry.get("dataset", "bytes" if args.data else "builtin")(args.data, split=args.split, seed=0)
+        raise refuse(PROG, f"--model {args.model}: no learned boundary predictor (fixed segments need no measuring)")
     loader = ByteDataLoader(dataset, seq_len=args.seq, local_batch_size=args.batch, dp_rank=0, dp_world_size=1, seed=0)
     batches = (batch[0] for batch, _ in zip(loader, range(args.batches)))
     result = summary(capacity_needed(model, batches))
@@ -71,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: mean {s['mean']:.3f}, " + ", ".join(f"q{q:g} {s[f'q{q:g}']:.3f}" for q in QUANTILES))
     print(f"bytes per segment: {model.args.target_bytes_per_segment / result['rows']['mean']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_whole(args.json, json.dumps(result, indent=1))
     return 0
 
 

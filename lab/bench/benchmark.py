@@ -30,14 +30,16 @@ from pathlib import Path
 import torch
 
 from lab.bench.machine import machine
+from lab.cli import check_not_negative, check_output_file, check_positive, parser, refuse, write_whole
+from lab.overrides import parse_sets, trainer_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
-# name -> (config file, overrides)
-TRAIN_SCENARIOS: dict[str, tuple[str, list[str]]] = {
-    "dense_debug": ("train_configs/debug_dense.toml", []),
-    "spider_debug": ("train_configs/debug_model.toml", []),
-    "spider_debug_compiled": ("train_configs/debug_model.toml", ["--training.compile", "true"]),
+# name -> (config file, trainer overrides)
+TRAIN_SCENARIOS: dict[str, tuple[str, dict[str, object]]] = {
+    "dense_debug": ("train_configs/debug_dense.toml", {}),
+    "spider_debug": ("train_configs/debug_model.toml", {}),
+    "spider_debug_compiled": ("train_configs/debug_model.toml", {"training.compile": True}),
 }
 
 # name -> function(args) -> dict of results
@@ -52,32 +54,25 @@ def scenario(name: str):
     return register
 
 
-def run_training(config: str, overrides: list[str], args: argparse.Namespace) -> dict:
+def run_training(config: str, overrides: dict[str, object], args: argparse.Namespace) -> dict:
     """Build a Trainer in-process, run warm-up steps, then time ``args.steps`` train steps."""
     from spider_titan.config.manager import parse_args
     from spider_titan.metrics.logger import memory_gib
     from spider_titan.train import Trainer
 
-    argv = [
-        "--job.config_file",
-        config,
-        "--job.dump_folder",
-        args.dump_folder,
-        "--metrics.enable_tensorboard",
-        "false",
-        "--metrics.enable_jsonl",
-        "false",
-        "--validation.enable",
-        "false",
-        "--checkpoint.enable",
-        "false",
-        "--training.steps",
-        str(args.warmup + args.steps),
-    ]
-    argv += overrides
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        argv += [f"--{key}", value]
+    argv = trainer_flags(
+        {
+            "job.config_file": config,
+            "job.dump_folder": args.dump_folder,
+            "metrics.enable_tensorboard": False,
+            "metrics.enable_jsonl": False,
+            "validation.enable": False,
+            "checkpoint.enable": False,
+            "training.steps": args.warmup + args.steps,
+            **overrides,
+            **parse_sets(args.set or []),
+        }
+    )
     cfg = parse_args(argv)
     trainer = Trainer(cfg)
     try:
@@ -114,6 +109,16 @@ def run_training(config: str, overrides: list[str], args: argparse.Namespace) ->
         trainer.close()
 
 
+def flavor(args: argparse.Namespace) -> str:
+    """The flavor whose shapes a scenario measures: 1B, or debug under ``--reduced`` (the suite's dry run)."""
+    return "debug" if args.reduced else "1B"
+
+
+def token_counts(args: argparse.Namespace, default: str) -> list[int]:
+    """``--tokens`` as counts (checked positive by the command line), else ``default`` (16 ``--reduced``)."""
+    return [int(t) for t in (args.tokens or ("16" if args.reduced else default)).split(",")]
+
+
 def _timed(fn, *, repeats: int, warmup: int, device: torch.device) -> list[float]:
     times = []
     for i in range(warmup + repeats):
@@ -132,12 +137,12 @@ def _timed(fn, *, repeats: int, warmup: int, device: torch.device) -> list[float
 def moe_layer(args: argparse.Namespace) -> dict:
     """One MoE layer at the 1B flavor's shapes (dim 2048, 32 experts, top-2, expert inter 528):
     the seed's Python loop over experts vs the torch backend (vs the Triton backend on GPU),
-    forward and forward+backward, tokens/s and achieved TFLOP/s, for each ``--tokens``."""
+    forward and forward+backward, tokens/s and achieved TFLOP/s, for each ``--tokens`` (default 512)."""
     from spider_titan.models.spider.args import SPIDER_FLAVORS
     from spider_titan.moe.layer import MoE
     from spider_titan.moe.python_loop import python_loop_moe
 
-    a = SPIDER_FLAVORS["1B"]
+    a = SPIDER_FLAVORS[flavor(args)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = (
@@ -158,7 +163,7 @@ def moe_layer(args: argparse.Namespace) -> dict:
             "torch.", ""
         )
     }
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    for tokens in token_counts(args, "512"):
         x = torch.randn(tokens, a.dim, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn_like(x)
         row = {}
@@ -208,7 +213,7 @@ def moe_layer(args: argparse.Namespace) -> dict:
 @scenario("attention")
 def attention(args: argparse.Namespace) -> dict:
     """MLA's causal attention at the 1B flavor's shapes (16 heads, qk 192, v 128; seq from
-    ``--tokens``), forward+backward, with each SDPA backend forced alone and with the trainer's
+    ``--tokens``, default 512), forward+backward, with each SDPA backend forced alone and with the trainer's
     priority list (models/common.py SDPA_PRIORITY); a backend that refuses the shapes is reported
     as such. Meant for GPUs; on CPU only flash (CPU) and math run."""
     import torch.nn.functional as F
@@ -217,12 +222,12 @@ def attention(args: argparse.Namespace) -> dict:
     from spider_titan.models.common import causal_sdpa
     from spider_titan.models.spider.args import SPIDER_FLAVORS
 
-    a = SPIDER_FLAVORS["1B"]
+    a = SPIDER_FLAVORS[flavor(args)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     qk, vd = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
     out = {"shapes": f"{a.n_heads} heads, qk {qk}, v {vd}, {dtype}".replace("torch.", "")}
-    for seq in [int(t) for t in args.tokens.split(",")]:
+    for seq in token_counts(args, "512"):
         q = torch.randn(1, a.n_heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(1, a.n_heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(1, a.n_heads, seq, vd, device=device, dtype=dtype, requires_grad=True)
@@ -255,11 +260,11 @@ def packed_rows(args: argparse.Namespace) -> dict:
     from spider_titan.models.spider.args import SPIDER_FLAVORS
     from spider_titan.models.spider.attention import PackedRows
 
-    a = SPIDER_FLAVORS["1B"]
+    a = SPIDER_FLAVORS[flavor(args)]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     qk, vd, h = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim, a.n_heads
-    rows, segments = 4, 4096 // 4
+    rows, segments = (2, 64 // 4) if args.reduced else (4, 4096 // 4)
     slots, positions = int(1.3 * segments), int(1.15 * segments) * rows
     g = torch.Generator().manual_seed(0)
     packed = PackedRows.fixed((torch.rand(rows, slots, generator=g) < 0.95).to(device), positions)
@@ -270,7 +275,7 @@ def packed_rows(args: argparse.Namespace) -> dict:
 
     q, k = (torch.randn(1, positions, h, qk, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     v = torch.randn(1, positions, h, vd, device=device, dtype=dtype, requires_grad=True)
-    compiled = torch.compile(step)
+    compiled = torch.compile(step, backend="eager" if args.reduced else "inductor")  # the dry run: no codegen
     t = statistics.median(
         _timed(lambda: compiled(q, k, v).backward(), repeats=args.steps, warmup=args.warmup, device=device)
     )
@@ -296,12 +301,12 @@ def pooling_memory(args: argparse.Namespace) -> dict:
         return torch.bmm(w, x), torch.bmm(prev.float(), y)
 
     torch.manual_seed(0)
-    T, D = 4096, 2048
+    T, D = (256, 64) if args.reduced else (4096, 2048)
     ids = torch.randint(0, 256, (1, T))
     seg = segment_bytes(torch.randn(1, T), ids, max_segment_bytes=16)
     x = torch.randn(1, T, D, requires_grad=True)
     y = torch.randn(1, seg.num_segments, D, requires_grad=True)
-    out = {"shape": f"T {T}, S {seg.num_segments}, dim {D}, fp32"}
+    out = {"shape": f"T {T}, S {seg.num_segments}, dim {D}, fp32"}  # the shape the figures hold for
     for name, fn in (("scatter", lambda: (downsample(x, seg), upsample(y, seg))), ("dense", lambda: dense(x, y, seg))):
         with count_live_activation_bytes(x, y) as live:
             result = fn()
@@ -326,7 +331,7 @@ def ac_memory(args: argparse.Namespace) -> dict:
     out: dict = {"debug_flavor_B4_T512": {}}
     torch.manual_seed(0)
     x = torch.randint(0, 256, (4, 512))
-    for n_loops in (2, 4, 8):
+    for n_loops in (2,) if args.reduced else (2, 4, 8):
         row = {}
         for mode, option in modes:
             cfg = parse_args(
@@ -359,8 +364,9 @@ def ac_memory(args: argparse.Namespace) -> dict:
     from spider_titan.models.spider.model import SPIDER_SPEC
 
     block_row = {}
+    block_flavor, block_seq = (flavor(args), 64 if args.reduced else 2048)
     for mode, option in [("none", "op"), ("full", "op"), ("selective", "op")]:
-        model = SPIDER_SPEC.build_on_meta(SPIDER_FLAVORS["1B"])
+        model = SPIDER_SPEC.build_on_meta(SPIDER_FLAVORS[block_flavor])
         apply_ac(
             model,
             SPIDER_SPEC,
@@ -373,9 +379,9 @@ def ac_memory(args: argparse.Namespace) -> dict:
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
         block_row[mode if mode != "selective" else "selective_op"] = mib(
-            _core_block_live_bytes(block, SPIDER_FLAVORS["1B"], seq=2048)
+            _core_block_live_bytes(block, SPIDER_FLAVORS[block_flavor], seq=block_seq)
         )
-    out["1B_core_block_S2048"] = block_row
+    out[f"{block_flavor}_core_block_S{block_seq}"] = block_row
     return out
 
 
@@ -389,8 +395,12 @@ def _core_block_live_bytes(block, args, *, seq: int) -> int:
     freqs = rope_frequencies(args.qk_rope_head_dim, seq, args.rope_theta)
     buckets = torch.randint(0, args.engram_buckets, (1, seq, 2))
     mask = torch.ones(1, seq, dtype=torch.bool)
-    with count_live_activation_bytes(block, h, freqs, buckets, mask) as live:
-        out, aux, _ = block(h, 0, freqs, buckets, mask)
+    loop = torch.tensor(0)  # the loop index, a 0-dim tensor as the core passes it
+    # the block's Engram memory (what the core computes once per step for every loop), when it has one
+    memory = None if block.engram is None else block.engram.memory(buckets, h.dtype).detach()
+    known = [x for x in (block, h, freqs, memory, mask) if x is not None]
+    with count_live_activation_bytes(*known) as live:
+        out, aux, _ = block(h, loop, freqs, memory, mask)
     (out.sum() + aux).backward()
     return live.total
 
@@ -401,7 +411,7 @@ def comm(args: argparse.Namespace) -> dict:
     vs n_loops, fp8 vs bf16 all-gather, expert parallel (lab/bench/comm.py)."""
     from lab.bench.comm import benchmark_comm
 
-    return benchmark_comm(args)
+    return benchmark_comm(argparse.Namespace(**vars(args), comm_steps=1) if args.reduced else args)
 
 
 @scenario("generate")
@@ -414,7 +424,7 @@ def generate_speed(args: argparse.Namespace) -> dict:
     from spider_titan.models.spider import SPIDER_FLAVORS, Spider
     from spider_titan.models.spider.decode import decode, new_cache
 
-    contexts = [int(t) for t in (args.tokens if args.tokens != "512" else "256,1024,4096").split(",")]
+    contexts = token_counts(args, "256,1024,4096")
     torch.manual_seed(0)
     model = Spider(dataclasses.replace(SPIDER_FLAVORS["debug"], max_seq_len=max(contexts) + 256))
     model.init_weights()
@@ -426,13 +436,13 @@ def generate_speed(args: argparse.Namespace) -> dict:
             ids = [257, *text[: ctx - 1]]
             cache = new_cache(model, 1)
             last = decode(model, torch.tensor([ids]), cache)[0, -1]
-            new = 64
+            new = 4 if args.reduced else 64
             t0 = time.perf_counter()
             for _ in range(new):
                 nxt = sample_next(last, temperature=0)
                 last = decode(model, torch.tensor([[nxt]]), cache)[0, -1]
             cached = new / (time.perf_counter() - t0)
-            steps = max(2, min(16, 16384 // ctx))
+            steps = 2 if args.reduced else max(2, min(16, 16384 // ctx))
             window = list(ids)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -448,14 +458,14 @@ def generate_speed(args: argparse.Namespace) -> dict:
     return {
         "model": "spider debug, random weights, fp32, 1 row",
         "contexts": results,
-        "generate_py": _time_generate_script(model, text[:1000], args.model),
+        "generate_py": _time_generate_script(model, text[: 64 if args.reduced else 1000], args.model, args.reduced),
     }
 
 
-def _time_generate_script(model: torch.nn.Module, prompt: bytes, export: str | None) -> dict:
-    """``scripts/generate.py`` itself, cached and with ``--no_cache``: a 1,000-byte prompt, 200 new
-    bytes (seeded sampling), on ``export`` (default: ``model`` written as an export to a temporary
-    folder): the wall time of each command and the bytes/s it reports (its prompt and sampling)."""
+def _time_generate_script(model: torch.nn.Module, prompt: bytes, export: str | None, reduced: bool) -> dict:
+    """``scripts/generate.py`` itself, cached and with ``--no_cache``: ``prompt`` (1,000 bytes), 200 new
+    bytes (8 ``reduced``; seeded sampling), on ``export`` (default: ``model`` written as an export to a
+    temporary folder): the wall time of each command and the bytes/s it reports (its prompt and sampling)."""
     import re
     import subprocess
     import tempfile
@@ -467,12 +477,13 @@ def _time_generate_script(model: torch.nn.Module, prompt: bytes, export: str | N
     with tempfile.TemporaryDirectory() as tmp:
         if export is None:
             export = str(Path(tmp) / "export")
-            identity = ModelIdentity.of("spider", "debug", dataclasses.asdict(model.args))
+            identity = ModelIdentity.of("spider", "debug", model.args)
             write_export(model.state_dict(), identity, Path(export), dtype=torch.float32)
         (Path(tmp) / "prompt").write_bytes(prompt)
         base = [sys.executable, str(REPO / "scripts" / "generate.py"), "--model", export, "--report"]
-        base += ["--prompt_file", str(Path(tmp) / "prompt"), "--max_new_bytes", "200", "--device", "cpu"]
-        row = {"model": label, "prompt_bytes": len(prompt), "new_bytes": 200}
+        new = 8 if reduced else 200
+        base += ["--prompt_file", str(Path(tmp) / "prompt"), "--max_new_bytes", str(new), "--device", "cpu"]
+        row = {"model": label, "prompt_bytes": len(prompt), "new_bytes": new}
         for name, extra in (("cached", []), ("no_cache", ["--no_cache"])):
             t0 = time.perf_counter()
             done = subprocess.run(base + extra, capture_output=True, text=True, check=True)
@@ -520,41 +531,96 @@ def eager_bytes(args: argparse.Namespace) -> dict:
     return benchmark_eager_bytes(args)
 
 
-def main() -> int:
-    if sys.argv[1:2] == ["gpu_1b"]:  # the GPU harness has its own command line (gpu.py)
-        from lab.bench.gpu import main as gpu_1b
+PROG = "python -m lab.bench.benchmark"
+MOE_BACKENDS = ("python_loop", "torch", "triton")
 
-        return gpu_1b(sys.argv[2:])
-    if sys.argv[1:2] == ["quantize"]:  # exports in four formats, its own command line (quantize.py)
-        from lab.bench.quantize import main as quantize
 
-        return quantize(sys.argv[2:])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "scenarios", nargs="+", help=f"one or two of: {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}, or gpu_1b alone"
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked before any scenario runs: a mistake is one line and exit status 1 or 2."""
+    p = parser(PROG, __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "scenarios",
+        nargs="+",
+        help=f"one or two of: {', '.join(sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS))}; or gpu_1b or quantize "
+        "first, with their own flags (gpu_1b --help)",
     )
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (training scenarios)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--set", action="append", help="override for training scenarios, e.g. training.seq_len=1024")
-    parser.add_argument("--dump_folder", default="./outputs/benchmark")
-    parser.add_argument("--markdown", help="append the results to this markdown file")
-    parser.add_argument(
-        "--tokens", default="512", help="moe_layer: comma-separated token counts; attention: sequence lengths"
+    p.add_argument("--steps", type=int, default=10, help="timed steps (repeats of the other scenarios; default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a trainer override (repeatable) for the training scenarios, eager_bytes and ep_capacity, "
+        "e.g. --set training.seq_len=1024",
     )
-    parser.add_argument("--model", help="generate: time scripts/generate.py on this export (default: the random model)")
-    parser.add_argument("--moe_backends", default="", help="moe_layer: comma-separated (python_loop,torch,triton)")
-    parser.add_argument(
-        "--config", help="eager_bytes: the training config (default: train_configs/spider_1b_1gpu.toml)"
+    p.add_argument("--dump_folder", default="./outputs/benchmark", help="folder for the runs' files")
+    p.add_argument("--markdown", help="append the command, the machine and the results to this markdown file")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help="comma-separated counts: moe_layer's tokens and attention's sequence lengths (default 512), "
+        "generate's contexts (default 256,1024,4096)",
     )
-    parser.add_argument(
+    p.add_argument("--model", help="generate: time scripts/generate.py on this export (default: the random model)")
+    p.add_argument("--moe_backends", default="", help=f"moe_layer: comma-separated, of {', '.join(MOE_BACKENDS)}")
+    p.add_argument("--config", help="eager_bytes: the training config (default: train_configs/spider_1b_1gpu.toml)")
+    p.add_argument(
         "--bandwidth_tbs", type=float, default=4.0, help="eager_bytes: the memory bandwidth its milliseconds assume"
     )
-    parser.add_argument("--top", type=int, default=25, help="eager_bytes: the source lines to list")
-    args = parser.parse_args()
-
-    unknown = [s for s in args.scenarios if s not in TRAIN_SCENARIOS and s not in SCENARIOS]
+    p.add_argument("--top", type=int, default=25, help="eager_bytes: the source lines to list (default 25)")
+    p.add_argument(
+        "--reduced",
+        action="store_true",
+        help="tiny shapes and single repeats, the same code paths: the suite's dry run (its figures mean nothing)",
+    )
+    args = p.parse_args(argv)
+    known = sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)
+    own = [s for s in args.scenarios if s in ("gpu_1b", "quantize")]
+    if own:
+        raise refuse(PROG, f"{own[0]} has its own command line: give it first and alone ({PROG} {own[0]} --help)")
+    unknown = [s for s in args.scenarios if s not in known]
     if unknown:
-        parser.error(f"unknown scenario(s) {unknown}; choose from {sorted(TRAIN_SCENARIOS) + sorted(SCENARIOS)}")
+        raise refuse(PROG, f"unknown scenario(s) {unknown}; choose from {', '.join(known)}")
+    if len(args.scenarios) > 2:
+        raise refuse(PROG, f"{len(args.scenarios)} scenarios: give one, or two to compare")
+    check_positive(PROG, steps=args.steps, bandwidth_tbs=args.bandwidth_tbs, top=args.top)
+    check_not_negative(PROG, warmup=args.warmup)
+    if args.tokens is not None:
+        counts = args.tokens.split(",")
+        if not all(c.strip().isdigit() and int(c) > 0 for c in counts):
+            raise refuse(PROG, f"--tokens {args.tokens}: give positive whole numbers, comma-separated, e.g. 256,1024")
+    backends = [b for b in args.moe_backends.split(",") if b]
+    wrong = [b for b in backends if b not in MOE_BACKENDS]
+    if wrong:
+        raise refuse(PROG, f"--moe_backends: unknown {wrong}; choose from {', '.join(MOE_BACKENDS)}")
+    if "triton" in backends and not torch.cuda.is_available():
+        raise refuse(PROG, "--moe_backends triton: torch sees no CUDA device here; leave triton out")
+    if args.config is not None and not Path(args.config).is_file():
+        raise refuse(PROG, f"--config {args.config}: no such file; give a training config (train_configs/*.toml)")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise refuse(PROG, f"--model {args.model}: no such folder; give an export (scripts/export_safetensors.py)")
+    check_output_file(PROG, "--markdown", args.markdown)
+    if Path(args.dump_folder).exists() and not Path(args.dump_folder).is_dir():
+        raise refuse(PROG, f"--dump_folder {args.dump_folder}: is a file; give a folder")
+    try:
+        parse_sets(args.set)
+    except ValueError as e:
+        raise refuse(PROG, str(e)) from None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu_1b"]:  # the GPU harness has its own command line (gpu.py)
+        from lab.bench.gpu import main as gpu_1b
+
+        return gpu_1b(argv[1:])
+    if argv[:1] == ["quantize"]:  # exports in four formats, its own command line (quantize.py)
+        from lab.bench.quantize import main as quantize
+
+        return quantize(argv[1:])
+    args = parse_args(argv)
     results = {}
     for name in args.scenarios:
         if name in TRAIN_SCENARIOS:
@@ -570,10 +636,11 @@ def main() -> int:
             }
     text = json.dumps(report, indent=2)
     print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(f"\n### `{' '.join(['python -m lab.bench.benchmark'] + sys.argv[1:])}`\n\n")
-            f.write(f"Machine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n```json\n{text}\n```\n")
+    if args.markdown:  # appended: the file's text and the new section, written whole
+        before = Path(args.markdown).read_text() if Path(args.markdown).exists() else ""
+        command = " ".join([PROG, *argv])
+        section = f"\n### `{command}`\n\nMachine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n"
+        write_whole(args.markdown, before + section + f"```json\n{text}\n```\n")
     return 0
 
 

@@ -47,9 +47,9 @@ def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def probe_bandwidth(folder: Path) -> dict[str, float]:
-    """DCP write and read MB/s on ``PROBE_MIB`` of (2048, 2048) fp32 tensors (a 1B model's matrix size)."""
-    n = PROBE_MIB // 16
+def probe_bandwidth(folder: Path, mib: int = PROBE_MIB) -> dict[str, float]:
+    """DCP write and read MB/s on ``mib`` MiB of (2048, 2048) fp32 tensors (a 1B model's matrix size)."""
+    n = mib // 16
     tensors = {f"w{i}": torch.randn(2048, 2048) for i in range(n)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     with warnings.catch_warnings():
@@ -69,7 +69,7 @@ def probe_bandwidth(folder: Path) -> dict[str, float]:
     }
 
 
-def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
+def measure(name: str, flavor: str, root: Path, repeats: int = REPEATS) -> dict[str, Any]:
     """Save / load / async / export timings and sizes of one flavor, built for real."""
     spec = registry.get("model", name)
     margs = spec.build_args(flavor)
@@ -88,7 +88,7 @@ def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
     ckpt = Checkpointer(cfg, states=states, identity=identity, dump_folder=root)
 
     save_s, load_s, async_block_s, async_total_s = [], [], [], []
-    for step in range(1, REPEATS + 1):
+    for step in range(1, repeats + 1):
         t0 = time.perf_counter()
         ckpt.save(step)
         save_s.append(time.perf_counter() - t0)
@@ -98,8 +98,8 @@ def measure(name: str, flavor: str, root: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         loader.load()
         load_s.append(time.perf_counter() - t0)
-    size = _folder_bytes(root / cfg.folder / f"step-{REPEATS}")
-    for step in range(REPEATS + 1, 2 * REPEATS + 1):
+    size = _folder_bytes(root / cfg.folder / f"step-{repeats}")
+    for step in range(repeats + 1, 2 * repeats + 1):
         t0 = time.perf_counter()
         ckpt.save(step, asynchronous=True)
         async_block_s.append(time.perf_counter() - t0)
@@ -139,16 +139,19 @@ def estimate(name: str, flavor: str, bandwidth: dict[str, float]) -> dict[str, A
 
 
 def benchmark_checkpoint_io(args) -> dict[str, Any]:
-    """The ``checkpoint_io`` scenario of lab/bench/benchmark.py; works under ``args.dump_folder``."""
+    """The ``checkpoint_io`` scenario of lab/bench/benchmark.py; works under ``args.dump_folder`` (``args.reduced``:
+    a 16 MiB probe and one save and load each, the suite's dry run)."""
+    reduced = getattr(args, "reduced", False)
     root = Path(args.dump_folder) / "checkpoint_io"
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
     try:
-        probe = probe_bandwidth(root / "probe")
+        probe = probe_bandwidth(root / "probe", mib=16 if reduced else PROBE_MIB)
         results: dict[str, Any] = {"probe": probe}
         for name in registry.names("model"):
-            results[name] = {"debug": measure(name, "debug", root), "1B": estimate(name, "1B", probe)}
+            debug = measure(name, "debug", root, repeats=1 if reduced else REPEATS)
+            results[name] = {"debug": debug, "1B": estimate(name, "1B", probe)}
         return results
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -35,6 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.cli import check_positive, parser, refuse
+from lab.overrides import parse_sets, trainer_flags
+
 SCENARIOS = ("n_loops", "float8", "float8_linears", "expert_parallel", "grad_accum")
 
 
@@ -74,7 +77,7 @@ def _worker(rank: int, world_size: int, store: str, scenarios: list[str], steps:
 def _spider_step(
     world_size: int,
     steps: int,
-    overrides: list[str],
+    overrides: dict[str, object],
     *,
     param_dtype: torch.dtype,
     per_block_units: bool = False,
@@ -93,7 +96,7 @@ def _spider_step(
     from spider_titan.quantization.float8 import build_float8_post_step_hook
 
     cfg = parse_args(
-        ["--model.name", "spider", "--model.flavor", "debug", "--parallelism.comm_counter", "true", *overrides],
+        trainer_flags({"model.name": "spider", "model.flavor": "debug", "parallelism.comm_counter": True, **overrides}),
         env={"WORLD_SIZE": str(world_size)},
     )
     spec, _, model = build_model(cfg)
@@ -147,9 +150,9 @@ def _total(tally: dict, kind: str, prefix: str = "") -> int:
 def _n_loops(world_size: int, steps: int) -> dict:
     out = {}
     for n in (2, 4):
-        loop_unit = _spider_step(world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32)
+        loop_unit = _spider_step(world_size, steps, {"model.n_loops": n}, param_dtype=torch.float32)
         per_block = _spider_step(
-            world_size, steps, ["--model.n_loops", str(n)], param_dtype=torch.float32, per_block_units=True
+            world_size, steps, {"model.n_loops": n}, param_dtype=torch.float32, per_block_units=True
         )
         out[f"n_loops_{n}"] = {
             "core_all_gather": _total(loop_unit, "all_gather", "core"),
@@ -163,10 +166,10 @@ def _n_loops(world_size: int, steps: int) -> dict:
 
 
 def _float8(world_size: int, steps: int) -> dict:
-    base = ["--model.converters", "float8"]
+    base = {"model.converters": ["float8"]}
     bf16 = _spider_step(world_size, steps, base, param_dtype=torch.bfloat16)["all_gather"]
     fp8 = _spider_step(
-        world_size, steps, base + ["--float8.enable_fsdp_float8_all_gather", "true"], param_dtype=torch.bfloat16
+        world_size, steps, base | {"float8.enable_fsdp_float8_all_gather": True}, param_dtype=torch.bfloat16
     )["all_gather"]
     return {
         "bf16_all_gather": bf16,
@@ -218,7 +221,7 @@ def _linear_stack_all_gather(world_size: int, steps: int, *, fp8_all_gather: boo
 
 def _expert_parallel(world_size: int, steps: int) -> dict:
     tally = _spider_step(
-        world_size, steps, ["--parallelism.expert_parallel_degree", str(world_size)], param_dtype=torch.float32
+        world_size, steps, {"parallelism.expert_parallel_degree": world_size}, param_dtype=torch.float32
     )
     return {
         "expert_parallel_degree": world_size,
@@ -233,11 +236,11 @@ def _grad_accum(world_size: int, steps: int) -> dict:
     before = _spider_step(
         world_size,
         steps,
-        ["--parallelism.fsdp_reshard_after_forward_units", "core=true"],
+        {"parallelism.fsdp_reshard_after_forward_units": "core=true"},
         param_dtype=torch.float32,
         accum=2,
     )
-    after = _spider_step(world_size, steps, [], param_dtype=torch.float32, accum=2, no_sync=True)
+    after = _spider_step(world_size, steps, {}, param_dtype=torch.float32, accum=2, no_sync=True)
     out = {}
     for name, tally in (("before", before), ("after", after)):
         out[name] = {
@@ -260,16 +263,6 @@ _RUNNERS = {
 }
 
 
-if __name__ == "__main__":  # python -m lab.bench.comm [scenario ...]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", metavar="scenario", help=f"any of {list(SCENARIOS)} (default: all)")
-    chosen = parser.parse_args().scenarios
-    unknown = sorted(set(chosen) - set(SCENARIOS))
-    if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
-    print(json.dumps(benchmark_comm(argparse.Namespace(comm_scenarios=",".join(chosen))), indent=2))
-
-
 # ------------------------------------------------------------- fixed-capacity expert-parallel dispatch
 
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
@@ -285,23 +278,36 @@ def benchmark_ep_capacity(args: argparse.Namespace) -> dict:
     import subprocess
     import sys
 
-    steps = int(getattr(args, "capacity_steps", None) or 150)
+    reduced = getattr(args, "reduced", False)  # the suite's dry run: 4 steps of one 64-byte row, one factor
+    steps = int(getattr(args, "capacity_steps", None) or (4 if reduced else 150))
     root = Path(__file__).resolve().parents[2]
-    modes = [("dynamic", None)] + [("capacity", f) for f in CAPACITY_FACTORS]
+    modes = [("dynamic", None)] + [("capacity", f) for f in ((1.25,) if reduced else CAPACITY_FACTORS)]
+    overrides = {"training.seq_len": 64, "training.local_batch_size": 1} if reduced else {}
+    overrides |= parse_sets(getattr(args, "set", None) or [])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dispatch, factor in modes:
             name = dispatch if factor is None else f"capacity_{factor}"
             dump = Path(tmp) / name
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   "-m", "spider_titan.train", "--job.config_file", "train_configs/debug_model.toml",
-                   "--parallelism.expert_parallel_degree", "2", "--parallelism.comm_counter", "true",
-                   "--parallelism.expert_parallel_dispatch", dispatch,
-                   "--parallelism.expert_capacity_factor", str(factor or 1.25),
-                   "--training.steps", str(steps), "--training.local_batch_size", "4",
-                   "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-                   "--validation.enable", "false", "--checkpoint.export_at_end", "false",
-                   "--job.dump_folder", str(dump)]  # fmt: skip
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            cmd += ["-m", "spider_titan.train"]
+            cmd += trainer_flags(
+                {
+                    "job.config_file": "train_configs/debug_model.toml",
+                    "parallelism.expert_parallel_degree": 2,
+                    "parallelism.comm_counter": True,
+                    "parallelism.expert_parallel_dispatch": dispatch,
+                    "parallelism.expert_capacity_factor": factor or 1.25,
+                    "training.steps": steps,
+                    "training.local_batch_size": 4,
+                    "metrics.log_freq": 1,
+                    "metrics.enable_tensorboard": False,
+                    "validation.enable": False,
+                    "checkpoint.export_at_end": False,
+                    "job.dump_folder": dump,
+                    **overrides,
+                }
+            )
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
             if proc.returncode:
@@ -326,3 +332,28 @@ def benchmark_ep_capacity(args: argparse.Namespace) -> dict:
     for r in results.values():
         r["bytes_vs_dynamic"] = round(r["all_to_all_bytes_per_step"] / base, 3)
     return {"steps": steps, "ranks": 2, "expert_parallel": 2, "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lab.bench.comm [scenario ...]``: the scenarios' bytes as JSON."""
+    prog = "python -m lab.bench.comm"
+    p = parser(prog, __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenarios", nargs="*", metavar="scenario", help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    p.add_argument("--world_size", type=int, default=2, help="gloo processes (default 2)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per scenario, the last one counted (default 2)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.scenarios) - set(SCENARIOS))
+    if unknown:
+        raise refuse(prog, f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    check_positive(prog, steps=args.steps)
+    if args.world_size < 2:
+        raise refuse(prog, f"--world_size {args.world_size}: give at least 2 (collectives need two ranks)")
+    chosen = argparse.Namespace(
+        comm_scenarios=",".join(args.scenarios), comm_world_size=args.world_size, comm_steps=args.steps
+    )
+    print(json.dumps(benchmark_comm(chosen), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

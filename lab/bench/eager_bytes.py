@@ -18,6 +18,7 @@ import argparse
 import collections
 import re
 import traceback
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 from lab.bench.launches import NO_KERNEL  # ops that launch no kernel: views, bare allocations
+from lab.overrides import parse_sets, trainer_flags
 
 REPO = Path(__file__).resolve().parents[2]
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm"}
@@ -133,11 +135,12 @@ class EagerBytes:
         self.record(name, (args, kwargs, out))
 
 
-def measure(config: str, overrides: list[str], param_dtype: torch.dtype = torch.bfloat16) -> EagerBytes:
-    """One micro-batch's forward and backward of ``config`` on one GPU (no FSDP), observed."""
+def measure(config: str, overrides: Mapping[str, object], param_dtype: torch.dtype = torch.bfloat16) -> EagerBytes:
+    """One micro-batch's forward and backward of ``config`` (with trainer ``overrides``) on one GPU (no
+    FSDP), observed."""
     from spider_titan import plan
 
-    _, cfg = plan.parse_plan_args(["--job.config_file", config, *overrides, "--ngpu", "1"])
+    _, cfg = plan.parse_plan_args([*trainer_flags({"job.config_file": config, **overrides}), "--ngpu", "1"])
     t = cfg.training
     seen = EagerBytes()
     _FusedRMSNorm.observer = seen
@@ -152,8 +155,9 @@ def measure(config: str, overrides: list[str], param_dtype: torch.dtype = torch.
 
 
 def benchmark_eager_bytes(args: argparse.Namespace) -> dict:
-    config = args.config or str(REPO / "train_configs/spider_1b_1gpu.toml")
-    seen = measure(config, [f"--{kv}" for kv in args.set or []])
+    default = "debug_model.toml" if getattr(args, "reduced", False) else "spider_1b_1gpu.toml"  # the dry run: debug
+    config = args.config or str(REPO / "train_configs" / default)
+    seen = measure(config, parse_sets(args.set or []))
     total = sum(seen.by_op.values())
     gb = 1e9
     return {

@@ -57,6 +57,8 @@ import torch
 
 from lab.bench.launches import count_launches, host_events, outside_forward_backward
 from lab.bench.machine import machine
+from lab.cli import check_not_negative, check_positive, parser, refuse, write_whole
+from lab.overrides import parse_sets, trainer_flags
 from spider_titan.vocab import PAD_ID
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "spider_1b.toml"
@@ -111,27 +113,28 @@ def start_planner() -> subprocess.Popen | None:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def planned_checkpointing(planner: subprocess.Popen | None, timeout: float) -> tuple[list[str], str]:
-    """(trainer flags, what the planner said) for ``spider_1b_planned``: checkpointing off when the
+def planned_checkpointing(planner: subprocess.Popen | None, timeout: float) -> tuple[dict[str, str], str]:
+    """(trainer overrides, what the planner said) for ``spider_1b_planned``: checkpointing off when the
     plan finds the micro-batch fits without it (plan.CHECKPOINTING_NOT_NEEDED), else the compiled
     memory budget it finds fits (plan.MEMORY_BUDGET_FITS), else the config's."""
     from spider_titan.plan import CHECKPOINTING_NOT_NEEDED, MEMORY_BUDGET_FITS
 
     if planner is None:
-        return [], "the planner runs for a GPU only: the config's checkpointing"
+        return {}, "the planner runs for a GPU only: the config's checkpointing"
     try:
         out, _ = planner.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         planner.kill()
-        return [], f"the planner took over {timeout:.0f} s: the config's checkpointing"
+        return {}, f"the planner took over {timeout:.0f} s: the config's checkpointing"
     lines = out.splitlines()
     line = next((x for x in lines if x.startswith("checkpointing")), "no checkpointing line")
     if line.startswith(CHECKPOINTING_NOT_NEEDED):
-        return ["--activation_checkpoint.mode", "none"], line
+        return {"activation_checkpoint.mode": "none"}, line
     budget = next((x for x in lines if x.startswith(MEMORY_BUDGET_FITS)), None)
-    if budget is not None:
-        return budget.rpartition(": ")[2].split(), f"{line}; {budget}"
-    return [], line
+    if budget is not None:  # the planner prints the flags: --activation_checkpoint.mode memory_budget ...
+        words = budget.rpartition(": ")[2].split()
+        return {flag.removeprefix("--"): value for flag, value in zip(words[::2], words[1::2])}, f"{line}; {budget}"
+    return {}, line
 
 
 def dense_config(out: Path) -> Path:
@@ -143,75 +146,63 @@ def dense_config(out: Path) -> Path:
     cfg.model.overrides = {}
     path = Path(out) / "dense_1b.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_toml(cfg))
+    write_whole(path, to_toml(cfg))
     return path
 
 
-def rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+def rows(args: argparse.Namespace) -> list[tuple[str, dict[str, object]]]:
     """(name, trainer overrides) of every row."""
-    common = [
-        "--training.dataset",
-        "mock",
-        "--training.target_tokens",
-        "0",
-        "--training.gradient_accumulation_steps",
-        "1",
-        "--training.local_batch_size",
-        str(args.batch),
-        "--training.seq_len",
-        str(args.seq),
-        "--training.compile",
-        str(args.compile).lower(),
-        "--validation.enable",
-        "false",
-        "--checkpoint.enable",
-        "false",
-        "--checkpoint.export_at_end",
-        "false",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--metrics.enable_jsonl",
-        "false",
-    ]
+    common: dict[str, object] = {
+        "training.dataset": "mock",
+        "training.target_tokens": 0,
+        "training.gradient_accumulation_steps": 1,
+        "training.local_batch_size": args.batch,
+        "training.seq_len": args.seq,
+        "training.compile": args.compile,
+        "validation.enable": False,
+        "checkpoint.enable": False,
+        "checkpoint.export_at_end": False,
+        "metrics.enable_tensorboard": False,
+        "metrics.enable_jsonl": False,
+    }
     if not torch.cuda.is_available():  # CPU: fp32, the torch MoE (Triton's interpreter is minutes per step)
-        common += ["--training.mixed_precision_param", "float32", "--moe.backend", "torch"]
-    base = ["--job.config_file", str(CONFIG), *common]
-    spider = [f"--model.{k}={v}" for k, v in REDUCED_SPIDER.items()] if args.reduced else []
-    dense = [f"--model.{k}={v}" for k, v in REDUCED_DENSE.items()] if args.reduced else []
+        common |= {"training.mixed_precision_param": "float32", "moe.backend": "torch"}
+    base = {"job.config_file": CONFIG, **common}
+    spider = {f"model.{k}": v for k, v in REDUCED_SPIDER.items()} if args.reduced else {}
+    dense = {f"model.{k}": v for k, v in REDUCED_DENSE.items()} if args.reduced else {}
     shipped = shipped_config()
-    dense_row = ["--job.config_file", str(dense_config(args.out)), *common]
-    dense_row += ["--model.name", "dense", "--model.flavor", "1B", "--activation_checkpoint.mode", "none"]
-    spider += args.extra.split()
-    dynamic = ["--model.segment_capacity", "0", "--model.packed_capacity", "0"]  # the segments counted per batch
-    static = ["--model.segment_capacity", str(args.capacity), "--model.packed_capacity", "0"]
-    slots, positions = args.packed.split(",")
-    packed = ["--model.segment_capacity", slots, "--model.packed_capacity", positions]
-    graph = ["--training.cuda_graph", "true"] if torch.cuda.is_available() else []  # a CUDA graph needs CUDA
-    fp8 = ["--model.converters", "float8", "--float8.fallback", "error"]
+    dense_row = {"job.config_file": dense_config(args.out), **common}
+    dense_row |= {"model.name": "dense", "model.flavor": "1B", "activation_checkpoint.mode": "none"}
+    spider |= args.set
+    dynamic = {"model.segment_capacity": 0, "model.packed_capacity": 0}  # the segments counted per batch
+    static = {"model.segment_capacity": args.capacity, "model.packed_capacity": 0}
+    slots, positions = args.packed
+    packed = {"model.segment_capacity": slots, "model.packed_capacity": positions}
+    graph = {"training.cuda_graph": True} if torch.cuda.is_available() else {}  # a CUDA graph needs CUDA
+    fp8 = {"model.converters": ["float8"], "float8.fallback": "error"}
     one = shipped_config(ONE_GPU_CONFIG)
-    one_gpu = ["--training.local_batch_size", str(one.training.local_batch_size)]
-    one_gpu += [f"--model.{k}={one.model.overrides[k]}" for k in ("segment_capacity", "packed_capacity")]
+    one_gpu = {"training.local_batch_size": one.training.local_batch_size}
+    one_gpu |= {f"model.{k}": one.model.overrides[k] for k in ("segment_capacity", "packed_capacity")}
     # the order they run in, most telling first, so that --total_s cuts the references of earlier runs
     out = [
-        ("dense_1b", dense_row + dense),
-        ("spider_1b_graph", base + spider + packed + graph),
+        ("dense_1b", dense_row | dense),
+        ("spider_1b_graph", base | spider | packed | graph),
         # spider_1b_1gpu.toml's micro-batch and shapes; the planner's checkpointing is added when the row runs
-        ("spider_1b_planned", base + spider + one_gpu + graph),
+        ("spider_1b_planned", base | spider | one_gpu | graph),
         # the 8-GPU config's shapes and micro-batch (the planner's pick) as shipped, on one GPU (no FSDP)
-        ("spider_1b_shipped", base + spider + ["--training.local_batch_size", str(shipped.training.local_batch_size)]),
-        ("spider_1b_fp8", base + spider + packed + graph + fp8),
-        # spider_1b_graph as one GPU computed before 2026-11-28 (nineteenth session): fp32 parameters, autocast
-        ("spider_1b_graph_autocast", base + spider + packed + graph + ["--training.mixed_precision_mode", "autocast"]),
-        ("spider_1b_packed", base + spider + packed),
-        ("spider_1b_static", base + spider + static),
-        ("spider_1b", base + spider + dynamic),
+        ("spider_1b_shipped", base | spider | {"training.local_batch_size": shipped.training.local_batch_size}),
+        ("spider_1b_fp8", base | spider | packed | graph | fp8),
+        # spider_1b_graph as one GPU computed before 2026-11-28: fp32 parameters, autocast
+        ("spider_1b_graph_autocast", base | spider | packed | graph | {"training.mixed_precision_mode": "autocast"}),
+        ("spider_1b_packed", base | spider | packed),
+        ("spider_1b_static", base | spider | static),
+        ("spider_1b", base | spider | dynamic),
     ]
     skip = {"spider_1b_graph", "spider_1b_graph_autocast"} if not graph else set()
     skip |= {"spider_1b_fp8"} if args.no_fp8 else set()
     out = [(name, flags) for name, flags in out if name not in skip]
-    for variant in args.variant:  # NAME=FLAGS: spider_1b_static with more flags
-        name, _, flags = variant.partition("=")
-        out.append((name, base + spider + static + flags.split()))
+    for name, flags in args.variant.items():  # NAME=section.key=value: spider_1b_static with more overrides
+        out.append((name, base | spider | static | flags))
     return out
 
 
@@ -465,7 +456,7 @@ def _containing(ranges: list[tuple[int, int, str]], at: int | None) -> set[str]:
     return {name for start, stop, name in ranges if start <= at <= stop}
 
 
-def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: float) -> dict:
+def run_row(name: str, overrides: dict[str, object], args: argparse.Namespace, budget: float) -> dict:
     """One row: build its trainer, warm the router, time its steps until ``budget`` seconds (compile
     included) have passed; while time is left, as many steps again back to back, then one profiled."""
     from spider_titan.config.manager import parse_args
@@ -473,7 +464,7 @@ def run_row(name: str, overrides: list[str], args: argparse.Namespace, budget: f
     from spider_titan.train import Trainer
 
     total_steps = args.warmup + 2 * args.steps + 1  # timed, run ahead, profiled
-    argv = overrides + ["--training.steps", str(total_steps), "--job.dump_folder", str(Path(args.out) / name)]
+    argv = trainer_flags(overrides | {"training.steps": total_steps, "job.dump_folder": Path(args.out) / name})
     started = time.perf_counter()
     try:
         cfg = parse_args(argv)
@@ -629,17 +620,36 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PROG = "python -m lab.bench.benchmark gpu_1b"
+ROW_NAMES = (
+    "dense_1b",
+    "spider_1b_graph",
+    "spider_1b_planned",
+    "spider_1b_shipped",
+    "spider_1b_fp8",
+    "spider_1b_graph_autocast",
+    "spider_1b_packed",
+    "spider_1b_static",
+    "spider_1b",
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="benchmark.py gpu_1b", description=__doc__.split("\n\n")[0])
+    """The command line, checked before any work: a mistake is one line and exit status 1 or 2."""
+    p = parser(PROG, __doc__)
     p.add_argument(
         "--out", default="outputs/gpu_1b", help="folder for gpu_1b.md, gpu_1b.json and the rows' run folders"
     )
-    p.add_argument("--reduced", action="store_true", help="reduced widths, the 1B structure (a dry run on CPU)")
+    p.add_argument(
+        "--reduced", action="store_true", help="reduced widths, the 1B structure: the dry run (runs without CUDA)"
+    )
     p.add_argument("--batch", type=int, default=4, help="rows per micro-batch (default 4)")
     p.add_argument("--seq", type=int, default=4096, help="bytes per row (default 4096)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps, the first of them compiles (default 3)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10)")
-    p.add_argument("--compile", type=lambda s: s.lower() == "true", default=True, help="torch.compile (default true)")
+    p.add_argument(
+        "--compile", choices=("true", "false"), default="true", help="torch.compile every row (default true)"
+    )
     p.add_argument("--no_fp8", action="store_true", help="leave out the fp8 row")
     p.add_argument(
         "--capacity", type=float, default=1.5, help="spider_1b_static's model.segment_capacity (default 1.5)"
@@ -651,16 +661,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "model.packed_capacity (default 1.3,1.15: what trained models needed on real text, docs/benchmarks.md)",
     )
     p.add_argument(
-        "--extra", default="", help="more trainer flags for every Spider row, e.g. '--model.segment_bucket 0'"
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a trainer override for every Spider row (repeatable), e.g. --set model.segment_bucket=0",
     )
     p.add_argument(
         "--variant",
         action="append",
         default=[],
-        help="NAME=FLAGS: one more row, spider_1b_static with FLAGS (repeatable), e.g. "
-        "'no_ac=--activation_checkpoint.mode none'",
+        metavar="NAME=SECTION.KEY=VALUE",
+        help="one more row, spider_1b_static with this override (repeatable; the same NAME gathers several), "
+        "e.g. --variant no_ac=activation_checkpoint.mode=none",
     )
-    p.add_argument("--rows", default="", help="comma-separated rows to run (default: all)")
+    p.add_argument("--rows", default="", help=f"comma-separated rows to run (default: all): {', '.join(ROW_NAMES)}")
     p.add_argument("--budget_s", type=float, default=60.0, help="seconds a row may take, compile included (60)")
     p.add_argument(
         "--fp8_budget_s",
@@ -675,7 +690,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds for all rows together (450: the issue's 8 minutes with start-up); a row gets at most what "
         "is left, and none starts with under 20 s left",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.reduced and not torch.cuda.is_available():
+        raise refuse(
+            PROG,
+            "torch sees no CUDA device: the harness times the 1B models on a GPU; "
+            "--reduced runs its dry run at tiny widths here",
+        )
+    check_positive(PROG, batch=args.batch, seq=args.seq, steps=args.steps, capacity=args.capacity)
+    check_positive(PROG, budget_s=args.budget_s, fp8_budget_s=args.fp8_budget_s, total_s=args.total_s)
+    check_not_negative(PROG, warmup=args.warmup)
+    try:
+        slots, positions = (float(x) for x in args.packed.split(","))
+    except ValueError:
+        raise refuse(PROG, f"--packed {args.packed}: give SLOTS,POSITIONS, two numbers, e.g. 1.3,1.15") from None
+    check_positive(PROG, packed=min(slots, positions))
+    args.packed, args.compile = (slots, positions), args.compile == "true"
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise refuse(PROG, f"--out {args.out}: is a file; give a folder")
+    try:
+        args.set = parse_sets(args.set)
+        variants: dict[str, dict[str, str]] = {}
+        for item in args.variant:
+            name, eq, override = item.partition("=")
+            if not (name and eq) or name in ROW_NAMES:
+                raise ValueError(f"--variant {item!r}: expected NAME=SECTION.KEY=VALUE with a new row NAME")
+            variants.setdefault(name, {}).update(parse_sets([override], "--variant NAME="))
+        args.variant = variants
+    except ValueError as e:
+        raise refuse(PROG, str(e)) from None
+    unknown = [r for r in args.rows.split(",") if r and r not in ROW_NAMES and r not in args.variant]
+    if unknown:
+        raise refuse(PROG, f"--rows: unknown {unknown}; choose from {', '.join((*ROW_NAMES, *args.variant))}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         said = None
         if name == "spider_1b_planned":
             flags, said = planned_checkpointing(planner, timeout=min(120.0, left - MIN_ROW_S))
-            overrides = overrides + flags
+            overrides = overrides | flags
             left = deadline - time.perf_counter()
         try:
             report["rows"][name] = run_row(name, overrides, args, min(budget, left))
@@ -710,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():  # the next row starts from an empty cache, not this row's blocks
             gc.collect()
             torch.cuda.empty_cache()
-        (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))  # what finished survives a later crash
+        write_whole(out / "gpu_1b.json", json.dumps(report, indent=1))  # what finished survives a later crash
     rows_done = report["rows"]
     dense = rows_done.get("dense_1b", {}).get("bytes_per_s")
     ratios = {
@@ -721,11 +768,15 @@ def main(argv: list[str] | None = None) -> int:
     if "spider_1b" in ratios:
         report["spider_over_dense_bytes_per_s"] = ratios["spider_1b"]
     report["over_dense_bytes_per_s"] = ratios
-    (out / "gpu_1b.json").write_text(json.dumps(report, indent=1))
+    write_whole(out / "gpu_1b.json", json.dumps(report, indent=1))
     text = f"Machine: {report['machine']}\n\n" + table(report)
     for name, ratio in ratios.items():
         text += f"\n{name} / dense_1b bytes/s: {ratio}"
     text += "\n" if ratios else ""
-    (out / "gpu_1b.md").write_text(text)
+    write_whole(out / "gpu_1b.md", text)
     print(text)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

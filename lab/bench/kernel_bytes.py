@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lab.bench.launches import REGION_PREFIXES, count_launches, host_events
+from lab.overrides import trainer_flags
 
 REPO = Path(__file__).resolve().parents[2]
 # the harness's reduced widths at dim 256: wide enough that activations, not weights, dominate
@@ -118,14 +119,27 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
     from spider_titan.parallel.precision import compute_precision
     from spider_titan.train import Trainer
 
-    argv = ["--job.config_file", str(REPO / "train_configs" / "spider_1b.toml"), "--training.dataset", "mock"]
-    argv += ["--training.target_tokens", "0", "--training.gradient_accumulation_steps", "1"]
-    argv += ["--training.local_batch_size", str(batch), "--training.seq_len", str(seq_len)]
-    argv += ["--training.compile", "true", "--training.device", "cpu", "--moe.backend", "torch"]
-    argv += ["--validation.enable", "false", "--checkpoint.enable", "false", "--checkpoint.export_at_end", "false"]
-    argv += ["--metrics.enable_tensorboard", "false", "--metrics.enable_jsonl", "false", "--training.steps", "3"]
-    argv += ["--job.dump_folder", str(out / f"kernel_bytes_{mode}")]
-    argv += [f"--model.{k}={v}" for k, v in WIDTHS.items()]
+    argv = trainer_flags(
+        {
+            "job.config_file": REPO / "train_configs" / "spider_1b.toml",
+            "training.dataset": "mock",
+            "training.target_tokens": 0,
+            "training.gradient_accumulation_steps": 1,
+            "training.local_batch_size": batch,
+            "training.seq_len": seq_len,
+            "training.compile": True,
+            "training.device": "cpu",
+            "moe.backend": "torch",
+            "validation.enable": False,
+            "checkpoint.enable": False,
+            "checkpoint.export_at_end": False,
+            "metrics.enable_tensorboard": False,
+            "metrics.enable_jsonl": False,
+            "training.steps": 3,
+            "job.dump_folder": out / f"kernel_bytes_{mode}",
+            **{f"model.{k}": v for k, v in WIDTHS.items()},
+        }
+    )
     torch._dynamo.reset()
     graphs = _GraphBytes()
     trainer = Trainer(parse_args(argv, env={}))
@@ -165,8 +179,14 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
 
 
 def benchmark_kernel_bytes(args: argparse.Namespace) -> dict:
+    """Both precision modes at 2 rows of 1,024 bytes (``args.reduced``: ``params`` alone, one row of 128
+    bytes: the suite's dry run)."""
     out = Path(args.dump_folder)
-    rows = {mode: measure(mode, batch=2, seq_len=1024, out=out) for mode in ("params", "autocast")}
-    params, autocast = (rows[m]["mib_per_step"].get("generated", 0.0) for m in ("params", "autocast"))
-    rows["generated_params_over_autocast"] = round(params / autocast, 3) if autocast else None
+    reduced = getattr(args, "reduced", False)
+    batch, seq_len = (1, 128) if reduced else (2, 1024)
+    modes = ("params",) if reduced else ("params", "autocast")
+    rows = {mode: measure(mode, batch=batch, seq_len=seq_len, out=out) for mode in modes}
+    if "autocast" in rows:
+        params, autocast = (rows[m]["mib_per_step"].get("generated", 0.0) for m in ("params", "autocast"))
+        rows["generated_params_over_autocast"] = round(params / autocast, 3) if autocast else None
     return rows

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lab.bench.machine import machine
+from lab.cli import check_data, check_folder, check_output_file, check_positive, parser, refuse, write_whole
 from spider_titan import registry
 from spider_titan.checkpoint.export import export_checkpoint
 from spider_titan.data.loader import ByteDataLoader
@@ -83,8 +84,11 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+PROG = "python -m lab.bench.benchmark quantize"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmark.py quantize", description=__doc__.split("\n\n")[0])
+    p = parser(PROG, __doc__)
     p.add_argument("--model", required=True, help="a trained, unquantized export (fp32 for the fp32 row)")
     p.add_argument("--data", default="builtin", help="comma-separated corpora: builtin, or bytes folders")
     p.add_argument("--out", default="outputs/quantize", help="folder for the four exports and quantize.json")
@@ -96,9 +100,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablate", action="store_true", help="the table that chooses the linears kept in bf16")
     p.add_argument("--markdown", help="append the table to this markdown file")
     args = p.parse_args(argv)
-    torch.manual_seed(0)
-    out = Path(args.out)
+    args.argv = sys.argv[2:] if argv is None else list(argv)
+    check_positive(PROG, seq_len=args.seq_len, batch=args.batch, loads=args.loads, context=args.context, new=args.new)
+    check_folder(PROG, "--model", args.model, what="a trained, unquantized export")
     corpora = [c for c in args.data.split(",") if c]
+    if not corpora:
+        raise refuse(PROG, "--data is empty; give builtin or bytes folders, comma-separated")
+    for corpus in corpora:
+        if corpus != "builtin":
+            check_data(PROG, "--data", corpus)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise refuse(PROG, f"--out {args.out}: is a file; give a folder")
+    check_output_file(PROG, "--markdown", args.markdown)
+    try:
+        return _run(args, out, corpora)
+    except (FileNotFoundError, ValueError) as e:  # an export this code cannot read or re-export
+        raise refuse(PROG, str(e).splitlines()[0]) from None
+
+
+def _run(args: argparse.Namespace, out: Path, corpora: list[str]) -> int:
+    """Every format written, loaded, scored and timed; the table printed and written."""
+    torch.manual_seed(0)
     loaders = {c: val_loader(c, args.seq_len, args.batch) for c in corpora}
     first = next(iter(whole_split_batches(loaders[corpora[0]])))[0][0]
     prompt = bytes(int(b) for b in first[first < 256][: args.context])
@@ -140,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(method, label, flush=True)
 
     report = {"machine": machine(), "model": args.model, "windows": args.seq_len, "rows": rows, "ablation": ablation}
-    (out / "quantize.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_whole(out / "quantize.json", json.dumps(report, indent=1) + "\n")
     table = markdown(report, corpora)
     print(table)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            command = " ".join(["python -m lab.bench.benchmark quantize", *(sys.argv[2:] if argv is None else argv)])
-            f.write(f"\n`{command}`\n\nMachine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n{table}\n")
+    if args.markdown:  # appended: the file's text and the new section, written whole
+        before = Path(args.markdown).read_text() if Path(args.markdown).exists() else ""
+        command = " ".join([PROG, *args.argv])
+        section = f"\n`{command}`\n\nMachine: {report['machine']}. Date: {time.strftime('%Y-%m-%d')}.\n\n{table}\n"
+        write_whole(args.markdown, before + section)
     return 0
 
 

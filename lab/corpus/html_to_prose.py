@@ -12,12 +12,14 @@ quality study (docs/benchmarks.md); the standard library's ``html.parser`` does 
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import re
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
+
+from lab.cli import parser as cli_parser
+from lab.cli import refuse
 
 PROSE_TAGS = {"p", "li", "blockquote"}
 SECTION_TAGS = {"h1", "h2"}
@@ -57,27 +59,44 @@ class _Prose(HTMLParser):
             self._paragraph.append(data)
 
 
+PROG = "python -m lab.corpus.html_to_prose"
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli_parser(PROG, __doc__)
     parser.add_argument("html", nargs="+", type=Path, help="HTML files (e.g. mdBook print.html pages)")
     parser.add_argument("--out", type=Path, required=True, help="jsonl file to write ({'text': ...} per line)")
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.html if not p.is_file()]
     if missing:
-        sys.exit(f"html_to_prose: not a file: {', '.join(missing)}")
+        raise refuse(PROG, f"not a file: {', '.join(missing)}; give HTML files")
+    if args.out.is_dir():
+        raise refuse(PROG, f"--out {args.out}: is a folder; give the jsonl file to write")
+    same = [str(p) for p in args.html if args.out.exists() and os.path.samefile(p, args.out)]
+    if same:
+        raise refuse(PROG, f"--out {args.out}: is the input {same[0]}; write the corpus to another file")
     n_docs = n_bytes = 0
-    tmp = args.out.with_name(args.out.name + ".partial")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tmp.open("w", encoding="utf-8") as f:
-        for path in args.html:
-            prose = _Prose()
-            prose.feed(path.read_text(encoding="utf-8", errors="replace"))
-            for paragraphs in prose.documents:
-                if paragraphs:
-                    text = "\n\n".join(paragraphs)
-                    f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                    n_docs, n_bytes = n_docs + 1, n_bytes + len(text.encode())
-    tmp.replace(args.out)
+    tmp = args.out.with_name(f".{args.out.name}.partial")  # renamed when whole: --out is never half a corpus
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for path in args.html:
+                prose = _Prose()
+                prose.feed(path.read_text(encoding="utf-8", errors="replace"))
+                for paragraphs in prose.documents:
+                    if paragraphs:
+                        text = "\n\n".join(paragraphs)
+                        f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                        n_docs, n_bytes = n_docs + 1, n_bytes + len(text.encode())
+        if n_docs == 0:
+            raise refuse(
+                PROG,
+                f"no prose (<p>, <li>, <blockquote> of 40+ characters) in {len(args.html)} files; "
+                f"--out {args.out} left as it was",
+            )
+        os.replace(tmp, args.out)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"{args.out}: {n_docs} documents, {n_bytes / 1e6:.2f} MB of prose from {len(args.html)} files")
 
 

@@ -12,14 +12,16 @@ packages); redirect pages (``.so``) and pages under ``--min_chars`` are left out
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from lab.cli import check_not_negative, check_positive, parser, refuse
 
 
 def page_source(path: Path) -> bytes:
@@ -43,38 +45,53 @@ def pages(folders: list[Path], every: int, exclude: tuple[str, ...]) -> list[Pat
     return [p for p in found if not p.name.startswith(exclude)][::every]
 
 
+PROG = "python -m lab.corpus.man_to_text"
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(PROG, __doc__)
     p.add_argument("folders", nargs="+", type=Path, help="folders of manual pages, e.g. /usr/share/man/man1")
     p.add_argument("--out", required=True, type=Path, help="the jsonl to write (fields text and name)")
     p.add_argument("--every", type=int, default=1, help="keep every N-th page of the sorted names")
     p.add_argument("--exclude", nargs="*", default=[], help="leave out pages whose names start with these")
     p.add_argument("--min_chars", type=int, default=500, help="leave out pages rendered shorter than this")
     args = p.parse_args(argv)
-    groff = shutil.which("groff")
-    if groff is None:
-        raise SystemExit("man_to_text: groff is not installed (Debian/Ubuntu: apt install groff-base)")
-    if args.every < 1:
-        raise SystemExit(f"--every {args.every}: give a positive number")
+    check_positive(PROG, every=args.every)
+    check_not_negative(PROG, min_chars=args.min_chars)
     for folder in args.folders:
         if not folder.is_dir():
-            raise SystemExit(f"man_to_text: {folder} is not a folder")
+            raise refuse(PROG, f"{folder} is not a folder; give folders of manual pages")
+    if args.out.is_dir():
+        raise refuse(PROG, f"--out {args.out}: is a folder; give the jsonl file to write")
+    groff = shutil.which("groff")
+    if groff is None:
+        raise refuse(PROG, "groff is not installed (Debian/Ubuntu: apt install groff-base)")
     kept = chars = 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as out:
-        for path in pages(args.folders, args.every, tuple(args.exclude)):
-            source = page_source(path)
-            if source.lstrip().startswith(b".so "):
-                continue  # a redirect to another page
-            try:
-                text = render(source, groff)
-            except (ValueError, subprocess.TimeoutExpired) as e:
-                print(f"man_to_text: {path.name} left out: {e}", file=sys.stderr)
-                continue
-            if len(text) < args.min_chars:
-                continue
-            out.write(json.dumps({"text": text, "name": path.name}) + "\n")
-            kept, chars = kept + 1, chars + len(text)
+    partial = args.out.with_name(f".{args.out.name}.partial")  # renamed when whole, and only if a page was kept
+    try:
+        with partial.open("w") as out:
+            for path in pages(args.folders, args.every, tuple(args.exclude)):
+                source = page_source(path)
+                if source.lstrip().startswith(b".so "):
+                    continue  # a redirect to another page
+                try:
+                    text = render(source, groff)
+                except (ValueError, subprocess.TimeoutExpired) as e:
+                    print(f"{PROG}: {path.name} left out: {e}", file=sys.stderr)
+                    continue
+                if len(text) < args.min_chars:
+                    continue
+                out.write(json.dumps({"text": text, "name": path.name}) + "\n")
+                kept, chars = kept + 1, chars + len(text)
+        if kept == 0:
+            raise refuse(
+                PROG,
+                f"0 pages kept (--every {args.every}, --min_chars {args.min_chars}); --out {args.out} left as it was",
+            )
+        os.replace(partial, args.out)
+    finally:
+        partial.unlink(missing_ok=True)
     print(f"man_to_text: {kept} pages, {chars:,} characters -> {args.out}")
 
 

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from lab.cli import check_data, check_output_file, check_positive, parser, refuse, write_whole
+from lab.overrides import parse_sets, trainer_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 SPIDER_CONFIG = "train_configs/debug_model.toml"
@@ -46,63 +48,46 @@ DENSE_CONFIG = "train_configs/debug_dense.toml"
 class Run:
     name: str
     config: str
-    overrides: tuple[str, ...]
+    overrides: dict[str, object]  # trainer overrides (section.key -> value), after the config file's
     what: str
 
 
-STAGE_LR = ("--optimizer.lr_multipliers", '["*=2", "core=1"]')
+STAGE_LR = {"optimizer.lr_multipliers": '["*=2", "core=1"]'}
 # Fixed segments: a boundary every target_bytes_per_segment bytes and the mean convention (a chunk the mean
 # of its bytes, byte t reads the chunk before its own), which beats the chunk-start convention there
-FIXED = ("--model.boundary_predictor", "fixed", "--model.chunk_convention", "mean")
+FIXED = {"model.boundary_predictor": "fixed", "model.chunk_convention": "mean"}
 # Learned segments: H-Net's cosine routing and chunk-start convention (debug's and 1B's default; `small` trains
 # fixed segments since 2026-11-29)
-LEARNED = ("--model.boundary_predictor", "cosine", "--model.chunk_convention", "first")
+LEARNED = {"model.boundary_predictor": "cosine", "model.chunk_convention": "first"}
 # The ratio loss's dead zone taken out (the loss pulling to the target from any rate)
-NO_BAND = ("--model.boundary_band", "0")
+NO_BAND = {"model.boundary_band": 0}
 # The dead zone's pull alike on both edges (the shipped model pulls rows above the band 0.3 as hard)
-BOTH_EDGES = ("--model.boundary_band_upper", "1.0")
+BOTH_EDGES = {"model.boundary_band_upper": 1.0}
 # The depth recipes below train around two core loops (debug's and `small`'s default until 2026-11-29; both
 # train one now)
-TWO_LOOPS = ("--model.n_loops", "2")
+TWO_LOOPS = {"model.n_loops": 2}
 # Geiping et al.'s recipe: loops sampled per step, backprop through the last loop, a random initial state
-SAMPLED_LOOPS = (
-    *TWO_LOOPS,
-    "--model.loop_sampling",
-    "poisson_lognormal",
-    "--model.backprop_loops",
-    "1",
-    "--model.loop_lora",
-    "false",
-    "--model.loop_init_std",
-    "0.5",
-)
+SAMPLED_LOOPS = TWO_LOOPS | {
+    "model.loop_sampling": "poisson_lognormal",
+    "model.backprop_loops": 1,
+    "model.loop_lora": False,
+    "model.loop_init_std": 0.5,
+}
 # Sampled, time-invariant loops (no per-loop LoRA or loop embedding) with backprop through every loop, h_0 = 0
-INVARIANT_FULL = (
-    *TWO_LOOPS,
-    "--model.loop_sampling",
-    "poisson_lognormal",
-    "--model.loop_lora",
-    "false",
-    "--model.loop_embedding",
-    "false",
-)
+INVARIANT_FULL = TWO_LOOPS | {
+    "model.loop_sampling": "poisson_lognormal",
+    "model.loop_lora": False,
+    "model.loop_embedding": False,
+}
 # A tenth of the steps at 2x the mean loops (and some at one loop, mean n_loops), the deep steps backpropagating
 # through their last n_loops loops, and a learned step size per loop
-TAIL_STEPS = (
-    *TWO_LOOPS,
-    "--model.loop_sampling",
-    "tail",
-    "--model.backprop_loops",
-    "2",
-    "--model.loop_step_size",
-    "true",
-)
+TAIL_STEPS = TWO_LOOPS | {"model.loop_sampling": "tail", "model.backprop_loops": 2, "model.loop_step_size": True}
 
 # Rows of options that have left the model (the MLP predictor, ACT, the hinge loss, H-Net's path element by
 # element, ...) are in docs/experiments.md with the commit that ran them (e0e7ffe and before).
 RUNS = [
-    Run("spider", SPIDER_CONFIG, (), "Spider, the flavor's shipped defaults"),
-    Run("dense", DENSE_CONFIG, (), "dense baseline, the flavor's defaults"),
+    Run("spider", SPIDER_CONFIG, {}, "Spider, the flavor's shipped defaults"),
+    Run("dense", DENSE_CONFIG, {}, "dense baseline, the flavor's defaults"),
     Run(
         "spider_fixed_segments",
         SPIDER_CONFIG,
@@ -118,63 +103,63 @@ RUNS = [
     Run(
         "spider_fixed_stage_lr",
         SPIDER_CONFIG,
-        (*FIXED, *STAGE_LR),
+        FIXED | STAGE_LR,
         "fixed segments with H-Net's per-stage learning rates (byte stages 2x)",
     ),
     Run("spider_stage_lr", SPIDER_CONFIG, STAGE_LR, "shipped defaults with H-Net's per-stage learning rates"),
-    Run("spider_no_first", SPIDER_CONFIG, ("--model.chunk_convention", "mean"), "learned segments, mean chunks"),
+    Run("spider_no_first", SPIDER_CONFIG, {"model.chunk_convention": "mean"}, "learned segments, mean chunks"),
     Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
     Run("spider_both_edges", SPIDER_CONFIG, BOTH_EDGES, "the dead zone's pull alike on both edges of the band"),
     Run(
         "spider_full_width_predictor",
         SPIDER_CONFIG,
-        ("--model.boundary_dim", "0"),
+        {"model.boundary_dim": "0"},
         "the boundary predictor's q/k projections at the model width (H-Net's square routing module)",
     ),
     Run(
         "spider_no_engram",
         SPIDER_CONFIG,
-        ("--model.engram_layers", "[]"),
+        {"model.engram_layers": "[]"},
         "no Engram memory (small's default since 2026-11-30)",
     ),
     Run(
         "spider_more_engram",
         SPIDER_CONFIG,
-        ("--model.engram_layers", "[0, 1]", "--model.engram_buckets", "8192"),
+        {"model.engram_layers": "[0, 1]", "model.engram_buckets": "8192"},
         "an Engram in both core blocks with 8,192 buckets: small's default from 2026-11-28 to 2026-11-30",
     ),
-    Run("spider_one_engram", SPIDER_CONFIG, ("--model.engram_layers", "[1]"), "one Engram, in core block 1"),
-    Run("spider_engram_2048", SPIDER_CONFIG, ("--model.engram_buckets", "2048"), "Engram tables of 2,048 buckets"),
-    Run("spider_engram_16k", SPIDER_CONFIG, ("--model.engram_buckets", "16384"), "Engram tables of 16,384 buckets"),
+    Run("spider_one_engram", SPIDER_CONFIG, {"model.engram_layers": "[1]"}, "one Engram, in core block 1"),
+    Run("spider_engram_2048", SPIDER_CONFIG, {"model.engram_buckets": "2048"}, "Engram tables of 2,048 buckets"),
+    Run("spider_engram_16k", SPIDER_CONFIG, {"model.engram_buckets": "16384"}, "Engram tables of 16,384 buckets"),
     Run(
         "spider_no_ngrams",
         SPIDER_CONFIG,
-        ("--model.byte_ngram_orders", "[]"),
+        {"model.byte_ngram_orders": "[]"},
         "no hashed byte n-gram embeddings (BLT's; small's default since 2026-11-28, debug's since 2026-11-29)",
     ),
     Run(
         "dense_no_ngrams",
         DENSE_CONFIG,
-        ("--model.byte_ngram_orders", "[]"),
+        {"model.byte_ngram_orders": "[]"},
         "the dense baseline without its hashed byte n-gram embeddings",
     ),
     Run(
         "spider_aux_free",
         SPIDER_CONFIG,
-        ("--moe.load_balance", "aux_free"),
+        {"moe.load_balance": "aux_free"},
         "experts balanced by DeepSeek-V3's selection bias alone (no balancing loss)",
     ),
     Run(
         "spider_balance_both",
         SPIDER_CONFIG,
-        ("--moe.load_balance", "both"),
+        {"moe.load_balance": "both"},
         "the balancing loss and the selection bias together (the 1B configs' setting)",
     ),
-    Run("spider_no_loop_lora", SPIDER_CONFIG, ("--model.loop_lora", "false"), "no per-loop LoRA"),
+    Run("spider_no_loop_lora", SPIDER_CONFIG, {"model.loop_lora": "false"}, "no per-loop LoRA"),
     Run(
         "spider_loops1",
         SPIDER_CONFIG,
-        ("--model.n_loops", "1"),
+        {"model.n_loops": "1"},
         "one core loop (no recurrence): debug's and small's default",
     ),
     Run("spider_loops2", SPIDER_CONFIG, TWO_LOOPS, "two core loops: debug's and small's default until 2026-11-29"),
@@ -194,7 +179,7 @@ RUNS = [
     Run(
         "spider_tail_full",
         SPIDER_CONFIG,
-        (*TWO_LOOPS, "--model.loop_sampling", "tail", "--model.loop_step_size", "true"),
+        TWO_LOOPS | {"model.loop_sampling": "tail", "model.loop_step_size": True},
         "2 loops, trained at 2x the mean loops on a tenth of the steps (full backprop), a learned step size per loop",
     ),
     Run(
@@ -206,38 +191,27 @@ RUNS = [
 ]
 
 
-def train_cmd(run: Run, dump: Path, steps: int, extra: list[str], *, val_freq: int | None) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "spider_titan.train",
-        "--job.config_file",
-        run.config,
-        "--job.dump_folder",
-        str(dump),
-        "--training.steps",
-        str(steps),
-        "--metrics.enable_tensorboard",
-        "false",
-        "--checkpoint.export_at_end",
-        "false" if val_freq is None else "true",  # the trained model, for evaluations after the run
-        *run.overrides,
-        *extra,
-    ]
+def train_cmd(run: Run, dump: Path, steps: int, extra: dict[str, object], *, val_freq: int | None) -> list[str]:
+    """``python -m spider_titan.train`` for ``run``: its config and overrides, then ``extra`` (which win)."""
+    overrides: dict[str, object] = {
+        "job.config_file": run.config,
+        "job.dump_folder": dump,
+        "training.steps": steps,
+        "metrics.enable_tensorboard": False,
+        "checkpoint.export_at_end": val_freq is not None,  # the trained model, for evaluations after the run
+        **run.overrides,
+        **extra,
+    }
     if val_freq is None:
-        cmd += ["--validation.enable", "false", "--metrics.log_freq", "1"]
+        overrides |= {"validation.enable": False, "metrics.log_freq": 1}
     else:
-        cmd += [
-            "--validation.enable",
-            "true",
-            "--validation.freq",
-            str(val_freq),
-            "--validation.steps",
-            "-1",
-            "--metrics.log_freq",
-            str(max(1, min(25, val_freq))),
-        ]
-    return cmd
+        overrides |= {
+            "validation.enable": True,
+            "validation.freq": val_freq,
+            "validation.steps": -1,
+            "metrics.log_freq": max(1, min(25, val_freq)),
+        }
+    return [sys.executable, "-m", "spider_titan.train", *trainer_flags(overrides)]
 
 
 def read_metrics(dump: Path) -> list[dict]:
@@ -266,7 +240,7 @@ def execute(cmd: list[str], log: Path, threads: int, deadline: float | None = No
 
 
 def flops_per_step(
-    run: Run, out: Path, extra: list[str], probe_steps: int, threads: int, deadline: float | None = None
+    run: Run, out: Path, extra: dict[str, object], probe_steps: int, threads: int, deadline: float | None = None
 ) -> float:
     """Training FLOPs of one step: measured by a probe for Spider, the formula for dense."""
     dump = out / f"probe_{run.name}"
@@ -287,7 +261,7 @@ def flops_per_step(
 
 def eval_loops_cmd(run: Run, dump: Path, loops: str, data: str | None) -> list[str]:
     """scripts/evaluate.py on a run's export at ``loops``, each count paired with the first."""
-    cmd = [sys.executable, "scripts/evaluate.py", "--model", str(dump / "export"), "--loops", loops]
+    cmd = [sys.executable, "scripts/evaluate.py", "--model", str(dump / "export"), "--n_loops", loops]
     cmd += ["--json", str(dump / "eval_loops.json")]
     return cmd + (["--data", str(Path(data).resolve())] if data else [])
 
@@ -302,12 +276,12 @@ def run_one(run: Run, args, out: Path | None = None, deadline: float | None = No
     if args.length == "flops":  # the run spends the budget itself; the probe sets its cap and validations
         estimate = max(1, math.ceil(budget / per_step))
         steps = math.ceil(args.cap * estimate)
-        length = ["--training.flops_budget", f"{budget:.6g}"]
+        length = {"training.flops_budget": f"{budget:.6g}"}
         plan = f"~{estimate} steps to {budget:.3g} FLOPs (at most {steps})"
     else:  # a margin for Spider: its FLOPs per step drift with the segmentation, and the budget is a floor
         margin = args.margin if run.config == SPIDER_CONFIG else 1.0
         steps = estimate = max(1, math.ceil(margin * budget / per_step))
-        length, plan = [], f"{steps} steps"
+        length, plan = {}, f"{steps} steps"
     # The last step always validates; one point means no other (a validation just before the end of a
     # budget run, at a step the estimate put last, would be wasted and uncalibrated).
     val_freq = steps if args.val_points == 1 else max(1, math.ceil(estimate / args.val_points))
@@ -315,7 +289,7 @@ def run_one(run: Run, args, out: Path | None = None, deadline: float | None = No
     shutil.rmtree(dump, ignore_errors=True)
     t0 = time.time()
     print(f"[{run.name}] {per_step:.3e} FLOPs/step -> {plan}, validation every {val_freq}", flush=True)
-    cmd = train_cmd(run, dump, steps, extra + length, val_freq=val_freq)
+    cmd = train_cmd(run, dump, steps, extra | length, val_freq=val_freq)
     execute(cmd, out / f"{run.name}.log", args.threads, deadline)
     if args.eval_loops and run.config == SPIDER_CONFIG:
         # Paired eval at several depths on the same val windows: each difference's standard error.
@@ -436,17 +410,16 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_whole(path, lambda partial: fig.savefig(partial, dpi=120, format=Path(path).suffix[1:]))
+    plt.close(fig)
 
 
-def run_overrides(args, run: Run | None = None) -> list[str]:
+def run_overrides(args, run: Run | None = None) -> dict[str, object]:
     """The trainer overrides every run of one invocation shares: corpus, flavor and seed, then
-    ``--spider-set`` for a Spider ``run`` or ``--dense-set`` for a dense one."""
-    data = (
-        ["--training.dataset", "bytes", "--training.dataset_path", str(Path(args.data).resolve())] if args.data else []
-    )
-    own = {SPIDER_CONFIG: args.spider_set, DENSE_CONFIG: args.dense_set}.get(run.config, "") if run else ""
-    return data + ["--model.flavor", args.flavor, "--training.seed", str(args.seed), *shlex.split(own)]
+    ``--spider_set`` for a Spider ``run`` or ``--dense_set`` for a dense one."""
+    data = {"training.dataset": "bytes", "training.dataset_path": Path(args.data).resolve()} if args.data else {}
+    own = {SPIDER_CONFIG: args.spider_set, DENSE_CONFIG: args.dense_set}.get(run.config, {}) if run else {}
+    return data | {"model.flavor": args.flavor, "training.seed": args.seed} | own
 
 
 def trained_as(run: Run, args):
@@ -455,7 +428,7 @@ def trained_as(run: Run, args):
     from spider_titan.config.manager import parse_args
     from spider_titan.config.validate import model_args_and_problems
 
-    cfg = parse_args(["--job.config_file", run.config, *run.overrides, *run_overrides(args, run)])
+    cfg = parse_args(trainer_flags({"job.config_file": run.config, **run.overrides, **run_overrides(args, run)}))
     model_args, _ = model_args_and_problems(cfg)
     return model_args, replace(cfg, model=replace(cfg.model, overrides={}))
 
@@ -475,20 +448,21 @@ def same_runs(runs: list[Run], args) -> dict[str, str]:
     return same
 
 
+PROG = "python -m lab.quality.benchmark"
+
+
 def arg_parser() -> argparse.ArgumentParser:
-    """The command line (documented by ``--help``); lab.quality.study builds its runs' arguments with it."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    """The command line (documented by ``--help``); :func:`parse_args` reads and checks it."""
+    p = parser(PROG, __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flops", type=float, default=1e13, help="training FLOPs budget of spider and dense")
-    p.add_argument("--ablation-flops", type=float, default=None, help="budget of the ablations (default: --flops)")
+    p.add_argument("--ablation_flops", type=float, default=None, help="budget of the ablations (default: --flops)")
     p.add_argument("--flavor", default="debug", help="model flavor of every run (debug; small: ~4x its FLOPs per byte)")
     p.add_argument("--seed", type=int, default=0, help="training seed of every run (--training.seed)")
     p.add_argument("--data", default=None, help="a bytes folder (--training.dataset bytes); default: built-in corpus")
     p.add_argument("--out", default="outputs/quality", help="folder for run dumps, table and picture")
-    p.add_argument("--runs", default=",".join(r.name for r in RUNS), help="comma-separated run names")
-    p.add_argument("--val-points", type=int, default=4, help="validations per run (whole val split each)")
-    p.add_argument("--probe-steps", type=int, default=60, help="steps of the FLOPs probe (the second half is measured)")
+    p.add_argument("--runs", default=",".join(r.name for r in RUNS), help="comma-separated run names (--list)")
+    p.add_argument("--val_points", type=int, default=4, help="validations per run (whole val split each)")
+    p.add_argument("--probe_steps", type=int, default=60, help="steps of the FLOPs probe (the second half is measured)")
     p.add_argument(
         "--length",
         choices=("flops", "steps"),
@@ -510,36 +484,72 @@ def arg_parser() -> argparse.ArgumentParser:
         "overestimated the debug run's FLOPs per step by ~7 %%)",
     )
     p.add_argument(
-        "--eval-loops",
+        "--eval_loops",
         default="trained,max",
         help="after each Spider run, scripts/evaluate.py at these loop counts ('trained', 'max' or numbers; "
         "the paired difference to the first, with its standard error); empty: skip",
     )
     p.add_argument(
-        "--spider-set",
-        default="",
-        help="trainer overrides added to every Spider run after its own, e.g. "
-        "--spider-set='--model.n_experts 16 --model.top_k 4' (the dense runs do not get them)",
+        "--spider_set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a trainer override (repeatable) added to every Spider run after its own, e.g. "
+        "--spider_set model.n_experts=16 --spider_set model.top_k=4 (the dense runs do not get them)",
     )
-    p.add_argument("--dense-set", default="", help="the same for every dense run (the Spider runs do not get them)")
+    p.add_argument(
+        "--dense_set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="the same for every dense run (the Spider runs do not get them)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
-    p.add_argument("--plot-to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
+    p.add_argument("--plot_to", default=None, help="also copy the picture here (e.g. docs/images/quality.png)")
     p.add_argument("--list", action="store_true", help="list the runs and exit")
-    p.add_argument("--report-only", action="store_true", help="rebuild table and picture from existing dumps")
+    p.add_argument("--report_only", action="store_true", help="rebuild table and picture from existing dumps")
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before any run starts: a mistake is one line and exit status 1 or 2."""
+    from spider_titan import registry
+
     args = arg_parser().parse_args(argv)
-    if args.list:
-        for r in RUNS:
-            print(f"{r.name:34} {r.what}  {' '.join(r.overrides)}")
-        return
-    by_name = {r.name: r for r in RUNS}
+    check_positive(PROG, flops=args.flops, ablation_flops=args.ablation_flops, cap=args.cap, margin=args.margin)
+    check_positive(PROG, val_points=args.val_points, jobs=args.jobs, threads=args.threads)
+    if args.probe_steps < 2:
+        raise refuse(PROG, f"--probe_steps {args.probe_steps}: give at least 2 (the second half is measured)")
+    flavors = sorted(set(registry.get("model", "spider").flavors) & set(registry.get("model", "dense").flavors))
+    if args.flavor not in flavors:
+        raise refuse(PROG, f"--flavor {args.flavor}: not a flavor of both models; choose from {', '.join(flavors)}")
+    check_data(PROG, "--data", args.data)
+    by_name = {r.name for r in RUNS}
     unknown = [n for n in args.runs.split(",") if n not in by_name]
     if unknown:
-        raise SystemExit(f"--runs: unknown {unknown}; choose from {list(by_name)}")
+        raise refuse(PROG, f"--runs: unknown {unknown}; choose from {PROG} --list")
+    for count in (c for c in args.eval_loops.split(",") if c):
+        if count not in ("trained", "max") and not (count.isdigit() and int(count) > 0):
+            raise refuse(PROG, f"--eval_loops {args.eval_loops}: counts are positive integers, 'trained' or 'max'")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise refuse(PROG, f"--out {args.out}: is a file; give a folder")
+    check_output_file(PROG, "--plot_to", args.plot_to)
+    try:
+        args.spider_set = parse_sets(args.spider_set, "--spider_set")
+        args.dense_set = parse_sets(args.dense_set, "--dense_set")
+    except ValueError as e:
+        raise refuse(PROG, str(e)) from None
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.list:
+        for r in RUNS:
+            print(f"{r.name:34} {r.what}  {' '.join(trainer_flags(r.overrides))}")
+        return
+    by_name = {r.name: r for r in RUNS}
     runs = [by_name[n] for n in args.runs.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -561,14 +571,13 @@ def main(argv: list[str] | None = None) -> None:
     md = table(summaries)
     for kind, extra in (("Spider", args.spider_set), ("Dense", args.dense_set)):
         if extra:
-            md = f"{kind} runs with `{extra}`.\n\n{md}"
-    (out / "quality.md").write_text(md + "\n")
-    (out / "quality.json").write_text(json.dumps(summaries, indent=1))
+            md = f"{kind} runs with `{' '.join(trainer_flags(extra))}`.\n\n{md}"
+    write_whole(out / "quality.md", md + "\n")
+    write_whole(out / "quality.json", json.dumps(summaries, indent=1))
     corpus = Path(args.data).name if args.data else "built-in corpus"
     plot(summaries, out / "quality.png", f"Spider vs dense at equal training FLOPs ({args.flavor}, {corpus})")
     if args.plot_to:
-        Path(args.plot_to).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "quality.png", args.plot_to)
+        write_whole(args.plot_to, (out / "quality.png").read_bytes())
     print(md)
 
 

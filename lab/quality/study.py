@@ -25,7 +25,6 @@ every cell and better on the mean; eval at a higher test-time depth better than 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -36,7 +35,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
-from lab.quality.benchmark import RUNS, OutOfTime, arg_parser, load_result, run_one, same_runs, summarise
+from lab.cli import check_output_file, check_positive, parser, refuse, write_whole
+from lab.quality.benchmark import RUNS, OutOfTime, load_result, run_one, same_runs, summarise
+from lab.quality.benchmark import parse_args as bench_parse_args
+
+PROG = "python -m lab.quality.study"
 
 ORDER = [r.name for r in RUNS]
 MAIN = (
@@ -72,7 +75,7 @@ def parse_cell(spec: str) -> tuple[str, str, float, dict[int, list[Path]]]:
             dirs[int(seed)] = [Path(p) for p in paths.split("+")]
         return scale, corpus, float(budget), dirs
     except ValueError:
-        raise SystemExit(f"--cell {spec!r}: expected SCALE/CORPUS:BUDGET:SEED=DIR[+DIR][;SEED=DIR]") from None
+        raise refuse(PROG, f"--cell {spec!r}: expected SCALE/CORPUS:BUDGET:SEED=DIR[+DIR][;SEED=DIR]") from None
 
 
 def load_cell(spec: str) -> Cell:
@@ -171,7 +174,8 @@ def plot(cells: list[Cell], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("Spider vs dense at equal training FLOPs, two scales (dots: seeds, line: mean)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_whole(path, lambda partial: fig.savefig(partial, dpi=120, format=Path(path).suffix[1:]))
+    plt.close(fig)
 
 
 @dataclass(frozen=True)
@@ -217,10 +221,10 @@ def run_study(study: Study, args) -> list[str]:
 
     def bench_args(scale: str, corpus: str, budget: float, seed: int):
         data = args.prose if corpus == "prose" else None
-        return arg_parser().parse_args(  # lab.quality.benchmark's own defaults, with the cell's budget and data
+        return bench_parse_args(  # lab.quality.benchmark's own defaults, with the cell's budget and data
             ["--flavor", scale, "--seed", str(seed), "--flops", str(budget), "--threads", str(args.threads)]
-            + ["--probe-steps", str(args.probe_steps), "--val-points", str(args.val_points)]
-            + ["--eval-loops", "trained,max"]
+            + ["--probe_steps", str(args.probe_steps), "--val_points", str(args.val_points)]
+            + ["--eval_loops", "trained,max"]
             + (["--data", data] if data else [])
         )
 
@@ -329,7 +333,7 @@ def aims(cells: list[Cell], study: Study) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(PROG, __doc__)
     p.add_argument("--cell", action="append", default=[], help="SCALE/CORPUS:BUDGET:SEED=DIR[+DIR][;SEED=DIR]")
     p.add_argument("--study", choices=sorted(STUDIES), default=None, help="run this whole study (see above)")
     p.add_argument("--out", default="outputs/study", help="--study: the runs' folders, study.md and study.json")
@@ -359,7 +363,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", default=None, help="write the picture here")
     args = p.parse_args(argv)
     if bool(args.cell) == bool(args.study):
-        raise SystemExit("give --cell (tables from existing runs) or --study (run a whole study), not both")
+        raise refuse(PROG, "give --cell (tables from existing runs) or --study (run a whole study), one of them")
+    check_positive(PROG, minutes=args.minutes, jobs=args.jobs, threads=args.threads, budget_scale=args.budget_scale)
+    check_positive(PROG, val_points=args.val_points)
+    if args.probe_steps < 2:
+        raise refuse(PROG, f"--probe_steps {args.probe_steps}: give at least 2 (the second half is measured)")
+    if args.seeds is not None and not all(k.strip().isdigit() for k in args.seeds.split(",")):
+        raise refuse(PROG, f"--seeds {args.seeds}: give whole numbers, comma-separated, e.g. 0,1")
+    for flag in ("md", "json", "plot"):
+        check_output_file(PROG, f"--{flag}", getattr(args, flag))
+    for spec in args.cell:
+        for folders in parse_cell(spec)[3].values():
+            missing = [str(f) for f in folders if not f.is_dir()]
+            if missing:
+                raise refuse(
+                    PROG, f"--cell {spec!r}: no folder {', '.join(missing)}; give lab.quality.benchmark --out folders"
+                )
     study = STUDIES.get(args.study)
     unfinished: list[str] = []
     if study is not None:
@@ -371,19 +390,22 @@ def main(argv: list[str] | None = None) -> None:
         )
         unknown = set(study.runs) - {r.name for r in RUNS}
         if unknown:
-            raise SystemExit(f"--runs: unknown {sorted(unknown)} (python -m lab.quality.benchmark --list)")
+            raise refuse(PROG, f"--runs: unknown {sorted(unknown)} (python -m lab.quality.benchmark --list)")
         if args.prose is None and any(c[1] == "prose" for c in study.cells) and not args.report_only:
-            raise SystemExit(
-                f"--study {args.study} has prose cells: give --prose DIR (python -m lab.corpus.html_to_prose)"
+            raise refuse(
+                PROG, f"--study {args.study} has prose cells: give --prose DIR (python -m lab.corpus.html_to_prose)"
             )
         if args.prose is not None and not (Path(args.prose) / "train").is_dir():
-            raise SystemExit(f"--prose {args.prose}: not a bytes folder (no train/ inside)")
+            raise refuse(PROG, f"--prose {args.prose}: not a bytes folder (no train/ inside)")
         if args.jobs is None:  # on a GPU every run at once (their processes share it), else one per core
             import torch
 
             n_runs = len(study.cells) * len(study.seeds) * len(study.runs)
             args.jobs = min(n_runs, 2 * (os.cpu_count() or 1)) if torch.cuda.is_available() else 2
         out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise refuse(PROG, f"--out {args.out}: is a file; give a folder")
+        out.mkdir(parents=True, exist_ok=True)
         args.md = args.md or str(out / "study.md")
         args.json = args.json or str(out / "study.json")
         if not args.report_only:
@@ -403,8 +425,7 @@ def main(argv: list[str] | None = None) -> None:
             md += "\n\nNot finished (left out):\n\n" + "\n".join(f"- {u}" for u in unfinished)
     print(md)
     if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(md + "\n")
+        write_whole(args.md, md + "\n")
     if args.json:
         dump = [
             {"scale": c.scale, "corpus": c.corpus, "budget": c.budget, "seed": seed, **s}
@@ -412,9 +433,7 @@ def main(argv: list[str] | None = None) -> None:
             for by_seed in c.runs.values()
             for seed, s in by_seed.items()
         ]
-        Path(args.json).write_text(
-            json.dumps({"runs": dump, "unfinished": unfinished} if study else dump, indent=1) + "\n"
-        )
+        write_whole(args.json, json.dumps({"runs": dump, "unfinished": unfinished} if study else dump, indent=1) + "\n")
     if args.plot:
         plot(cells, Path(args.plot))
 

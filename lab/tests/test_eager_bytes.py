@@ -23,7 +23,7 @@ def bench():
 def _measure(bench, compiled: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode's warning
-        return bench.measure(CONFIG, ["--training.compile", str(compiled).lower()])
+        return bench.measure(CONFIG, {"training.compile": compiled})
 
 
 def test_the_one_gpu_cast_moves_every_parameter_once_each_way(bench):

@@ -38,7 +38,7 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
         "1",
         "--no_fp8",
         "--variant",
-        "no_ac=--activation_checkpoint.mode none",
+        "no_ac=activation_checkpoint.mode=none",
     ]
     # spider_1b_shipped is left out of the run: on a CPU it is the planned row (the same 16 rows and
     # shapes, recurrent checkpointing, no graph); its flags are checked below
@@ -52,9 +52,8 @@ def test_the_reduced_dry_run_writes_its_table(tmp_path, in_process, monkeypatch)
     assert set(rows) == set(ran.split(","))
     # the shipped row keeps the config's shapes and micro-batch whatever --batch says
     flags = dict(bench_gpu.rows(bench_gpu.parse_args([*argv, "--out", str(tmp_path)])))["spider_1b_shipped"]
-    last = len(flags) - 1 - flags[::-1].index("--training.local_batch_size")  # the last value given wins
-    assert flags[last + 1] == "16" and flags[flags.index("--job.config_file") + 1].endswith("spider_1b.toml")
-    assert not any("capacity" in f for f in flags), flags  # the file's slots and packed positions
+    assert flags["training.local_batch_size"] == 16 and str(flags["job.config_file"]).endswith("spider_1b.toml")
+    assert not any("capacity" in key for key in flags), flags  # the file's slots and packed positions
     # the planned row takes spider_1b_1gpu.toml's; without a GPU the planner is not asked
     planned = (tmp_path / "spider_1b_planned" / "config.toml").read_text()
     assert "local_batch_size = 16" in planned and 'mode = "recurrent"' in planned, planned
@@ -115,17 +114,17 @@ def test_the_planned_row_drops_checkpointing_only_when_the_planner_says_so(monke
         return subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdout=subprocess.PIPE, text=True)
 
     flags, said = bench_gpu.planned_checkpointing(planner(f"{CHECKPOINTING_NOT_NEEDED}: without it 100.7 GiB"), 60)
-    assert flags == ["--activation_checkpoint.mode", "none"] and said.startswith(CHECKPOINTING_NOT_NEEDED)
+    assert flags == {"activation_checkpoint.mode": "none"} and said.startswith(CHECKPOINTING_NOT_NEEDED)
     flags, said = bench_gpu.planned_checkpointing(planner("checkpointing  needed at that micro-batch: 103.8 GiB"), 60)
-    assert flags == [] and "needed" in said
+    assert flags == {} and "needed" in said
     needed = "checkpointing  needed at that micro-batch: without it 100.7 GiB planned"
     budget = f"{MEMORY_BUDGET_FITS}: 0.4 of them, 63.1 GiB planned: --activation_checkpoint.mode memory_budget "
     flags, said = bench_gpu.planned_checkpointing(
         planner(f"{needed}\n{budget}--activation_checkpoint.memory_budget 0.4"), 60
     )
-    assert flags == ["--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.4"]
+    assert flags == {"activation_checkpoint.mode": "memory_budget", "activation_checkpoint.memory_budget": "0.4"}
     assert said.startswith(needed) and MEMORY_BUDGET_FITS in said
-    assert bench_gpu.planned_checkpointing(None, 60)[0] == []
+    assert bench_gpu.planned_checkpointing(None, 60)[0] == {}
 
 
 def test_a_slow_step_is_named_by_what_happened_during_it(monkeypatch):

@@ -41,7 +41,9 @@ def test_pages_render_to_plain_text_one_document_each(tmp_path, capsys):
     assert "frob - turn the knob" in text and "turns the knob by one notch." in text
     assert "\b" not in text and ".SH" not in text and "\\f" not in text and "\n\n\n" not in text
     assert "2 pages" in capsys.readouterr().out
-    man_to_text.main([str(man), "--exclude", "skip", "--min_chars", "5000", "--out", str(out)])
-    assert out.read_text() == ""
+    before = out.read_text()
+    with pytest.raises(SystemExit, match="0 pages kept .*left as it was"):  # nothing to write: --out kept
+        man_to_text.main([str(man), "--exclude", "skip", "--min_chars", "5000", "--out", str(out)])
+    assert out.read_text() == before and [p.name for p in tmp_path.iterdir() if p.is_file()] == ["man.jsonl"]
     man_to_text.main([str(man), "--every", "3", "--min_chars", "50", "--out", str(out)])  # the 1st and 4th of four
     assert [json.loads(line)["name"] for line in out.read_text().splitlines()] == ["frob.1.gz", "skip-me.1"]

@@ -57,6 +57,7 @@ def test_every_benchmark_row_is_a_valid_config(monkeypatch):
     """Each row of quality_benchmark.RUNS parses and validates as the trainer would read it, at both study
     flavors (a row naming an option the model no longer has, or one that needs a loop count a flavor does
     not train, would fail only hours into a study)."""
+    from lab.overrides import trainer_flags
     from spider_titan.config.manager import parse_args
     from tests.utils import REPO
 
@@ -65,7 +66,7 @@ def test_every_benchmark_row_is_a_valid_config(monkeypatch):
     assert len({r.name for r in runs}) == len(runs)
     for run in runs:
         for flavor in ("debug", "small"):
-            cfg = parse_args(["--job.config_file", run.config, "--model.flavor", flavor, *run.overrides])
+            cfg = parse_args(trainer_flags({"job.config_file": run.config, "model.flavor": flavor, **run.overrides}))
             assert cfg.model.name in ("spider", "dense") and cfg.model.flavor == flavor, run.name
 
 
@@ -148,18 +149,21 @@ def test_loops_study_runs_every_cell_and_lists_the_unfinished(tmp_path, monkeypa
 
     def fake_run_one(run, bench, out, deadline):
         extra = qb.run_overrides(bench)
-        calls.append((run.name, bench.flops, bench.data, tuple(extra), out.name))
+        calls.append((run.name, bench.flops, bench.data, extra, out.name))
         assert deadline > 0
-        if run.name == "spider_loops2" and "debug" in extra:
+        if run.name == "spider_loops2" and extra["model.flavor"] == "debug":
             raise qb.OutOfTime("stopped at the deadline")
         fake_run(out, run.name, flops=bench.flops, bpb=2.0 if run.name == "spider" else 2.1)
         return {}
 
     monkeypatch.setattr(quality_study, "run_one", fake_run_one)
     main(["--study", "loops", "--out", str(tmp_path / "o"), "--prose", str(prose), "--jobs", "2"])
-    assert len(calls) == 4 * 2 * 3 - 4 and not any(c[0] == "spider_fixed_segments" and "small" in c[3] for c in calls)
-    small_prose = [c for c in calls if "small" in c[3] and c[2] is not None]
-    assert {c[1] for c in small_prose} == {4e13} and all(str(prose.resolve()) in c[3] for c in small_prose)
+    assert len(calls) == 4 * 2 * 3 - 4 and not any(
+        c[0] == "spider_fixed_segments" and c[3]["model.flavor"] == "small" for c in calls
+    )
+    small_prose = [c for c in calls if c[3]["model.flavor"] == "small" and c[2] is not None]
+    assert {c[1] for c in small_prose} == {4e13}
+    assert all(c[3]["training.dataset_path"] == prose.resolve() for c in small_prose)
     assert {c[4] for c in calls} == {
         f"{s}_{c}_s{k}" for s in ("debug", "small") for c in ("builtin", "prose") for k in (0, 1)
     }
@@ -193,7 +197,7 @@ def test_eval_loops_commands():
         evaluate.parse_loops("trained,deep", args)
     runs = {r.name: r for r in qb.RUNS}
     plain = qb.eval_loops_cmd(runs["spider"], Path("d"), "trained,max", "x")
-    assert plain[1:] == ["scripts/evaluate.py", "--model", str(Path("d") / "export"), "--loops", "trained,max"] + [
+    assert plain[1:] == ["scripts/evaluate.py", "--model", str(Path("d") / "export"), "--n_loops", "trained,max"] + [
         "--json",
         str(Path("d") / "eval_loops.json"),
         "--data",
@@ -202,23 +206,53 @@ def test_eval_loops_commands():
 
 
 def test_spider_set_and_dense_set_reach_their_own_runs_only(monkeypatch):
-    """--spider-set's overrides follow a Spider run's own (so they win over them) and leave the dense runs
-    alone (a model field Spider has would fail the dense config); --dense-set the other way round."""
+    """--spider_set's overrides follow a Spider run's own (so they win over them) and leave the dense runs
+    alone (a model field Spider has would fail the dense config); --dense_set the other way round."""
     from spider_titan.config.manager import parse_args
     from tests.utils import REPO
 
     monkeypatch.chdir(REPO)
     runs = {r.name: r for r in qb.RUNS}
-    args = qb.arg_parser().parse_args(
-        ["--flavor", "small", "--spider-set=--model.n_experts 16 --model.top_k 4", "--dense-set=--model.n_layers 3"]
+    args = qb.parse_args(
+        ["--flavor", "small", "--spider_set", "model.n_experts=16", "--spider_set", "model.top_k=4"]
+        + ["--dense_set", "model.n_layers=3"]
     )
     spider = qb.run_overrides(args, runs["spider_one_engram"])
     dense = qb.run_overrides(args, runs["dense"])
-    assert spider[-4:] == ["--model.n_experts", "16", "--model.top_k", "4"] and "--model.n_experts" not in dense
-    assert dense[-2:] == ["--model.n_layers", "3"] and "--model.n_layers" not in spider
+    assert list(spider.items())[-2:] == [("model.n_experts", "16"), ("model.top_k", "4")]
+    assert "model.n_experts" not in dense
+    assert list(dense.items())[-1] == ("model.n_layers", "3") and "model.n_layers" not in spider
     cmd = qb.train_cmd(runs["spider_one_engram"], Path("d"), 10, spider, val_freq=None)
-    cfg = parse_args(cmd[cmd.index("--job.config_file") :])
+    assert cmd[1:3] == ["-m", "spider_titan.train"]
+    cfg = parse_args(cmd[3:])
     assert cfg.model.overrides == {"n_experts": 16, "top_k": 4, "engram_layers": [1]}
-    assert qb.run_overrides(qb.arg_parser().parse_args([]), runs["spider"]) == qb.run_overrides(
-        qb.arg_parser().parse_args([])
+    assert cfg.model.flavor == "small" and cfg.training.steps == 10 and cfg.validation.enable is False
+    assert qb.run_overrides(qb.parse_args([]), runs["spider"]) == qb.run_overrides(qb.parse_args([]))
+
+
+def test_trainer_overrides_are_written_one_way():
+    """lab.overrides: a mapping in, the trainer's ``--section.key value`` out (booleans, numbers, lists and
+    paths as its command line reads them), and ``--set section.key=value`` read back into a mapping."""
+    from lab.overrides import parse_sets, trainer_flags
+    from spider_titan.config.manager import parse_args
+
+    flags = trainer_flags(
+        {"training.compile": False, "training.seq_len": 64, "model.engram_layers": [0, 1], "job.dump_folder": Path("x")}
     )
+    assert flags == [
+        "--training.compile", "false", "--training.seq_len", "64", "--model.engram_layers", "[0, 1]",
+        "--job.dump_folder", "x",
+    ]  # fmt: skip
+    cfg = parse_args(flags)
+    assert (
+        cfg.training.compile is False and cfg.training.seq_len == 64 and cfg.model.overrides["engram_layers"] == [0, 1]
+    )
+    assert parse_sets(["training.seq_len=64", "model.n_loops=2", "training.seq_len=128"]) == {
+        "training.seq_len": "128",
+        "model.n_loops": "2",
+    }
+    for bad in ("training.seq_len", "seq_len=64", "--training.seq_len=64", "=1"):
+        with pytest.raises(ValueError, match="expected section.key=value"):
+            parse_sets([bad])
+    with pytest.raises(ValueError, match="expected section.key"):
+        trainer_flags({"seq_len": 64})

@@ -191,7 +191,7 @@ def test_eval_loops_paired_difference_matches_the_stream():
 
 def test_eval_loops_compares_models_as_trained(monkeypatch, tmp_path):
     """Several ``--model``: each runs as trained (no loop count, which a dense model would refuse) on the same
-    windows, and each one's paired difference to the first is the difference of their bpb; ``--loops`` with
+    windows, and each one's paired difference to the first is the difference of their bpb; ``--n_loops`` with
     several models is refused."""
     import json
 
@@ -199,12 +199,15 @@ def test_eval_loops_compares_models_as_trained(monkeypatch, tmp_path):
 
     torch.manual_seed(0)
     models = {"a": Bigram(), "b": Bigram()}
+    for name in models:
+        (tmp_path / name).mkdir()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
     monkeypatch.setattr(eval_loops, "load_model", lambda path, device: (models[path.name], None))
-    eval_loops.main(["--model", "a", "--model", "b", "--batch", "16", "--json", str(tmp_path / "rows.json")])
+    eval_loops.main(["--model", a, "--model", b, "--batch", "16", "--json", str(tmp_path / "rows.json")])
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [r["model"] for r in rows] == ["a", "b"]
+    assert [r["model"] for r in rows] == [a, b]
     assert (rows[0]["diff_bpb"], rows[0]["se_bpb"]) == (0.0, 0.0)
     assert rows[1]["diff_bpb"] == pytest.approx(rows[1]["val_bpb"] - rows[0]["val_bpb"], abs=1e-9)
     assert abs(rows[1]["diff_bpb"]) > 10 * rows[1]["se_bpb"] > 0  # two random tables: far apart
     with pytest.raises(SystemExit, match="one --model"):
-        eval_loops.main(["--model", "a", "--model", "b", "--loops", "1,2"])
+        eval_loops.main(["--model", a, "--model", b, "--n_loops", "1,2"])
