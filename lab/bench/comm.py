@@ -9,9 +9,9 @@ the parallelisms the way the builder does, and trains ``comm_steps`` (default 2)
 bytes; the numbers are those of the last step.
 
 Scenarios (``comm_scenarios``, comma-separated):
-  n_loops          FSDP over all ranks, n_loops 2 and 4: all-gather and reduce-scatter bytes of the
-                   core unit and in total. For contrast, the same with a unit per core block (how
-                   FSDP is usually applied), whose bytes grow with the loop count.
+  n_loops          FSDP over all ranks, n_loops 2 and 4 (no Engram): all-gather and reduce-scatter
+                   bytes of the core unit and in total. For contrast, the same with a unit per core
+                   block (how FSDP is usually applied), whose bytes grow with the loop count.
   float8           FSDP with bf16 parameters, float8 converter, without and with fp8 all-gather:
                    all-gather bytes per unit.
   float8_linears   the same for a stack of converted linears alone, one FSDP unit each (every
@@ -148,12 +148,13 @@ def _total(tally: dict, kind: str, prefix: str = "") -> int:
 
 
 def _n_loops(world_size: int, steps: int) -> dict:
+    """Without the Engram: the core reads each block's Engram tables once per step, before the blocks run
+    (recurrence.engram_memory), which a unit per block would hand over still sharded."""
     out = {}
     for n in (2, 4):
-        loop_unit = _spider_step(world_size, steps, {"model.n_loops": n}, param_dtype=torch.float32)
-        per_block = _spider_step(
-            world_size, steps, {"model.n_loops": n}, param_dtype=torch.float32, per_block_units=True
-        )
+        overrides = {"model.n_loops": n, "model.engram_layers": []}
+        loop_unit = _spider_step(world_size, steps, overrides, param_dtype=torch.float32)
+        per_block = _spider_step(world_size, steps, overrides, param_dtype=torch.float32, per_block_units=True)
         out[f"n_loops_{n}"] = {
             "core_all_gather": _total(loop_unit, "all_gather", "core"),
             "core_reduce_scatter": _total(loop_unit, "reduce_scatter", "core"),

@@ -1,5 +1,7 @@
-"""The benches of lab/bench at small sizes: checkpoint I/O, the fp8 all-gather bytes and the quantized
-exports' table, each checked against what the model's sizes say it must find."""
+"""Every scenario of lab/bench/benchmark.py once at tiny size (``--reduced``: the same code paths at tiny
+shapes and single repeats), so a bench cannot break unnoticed, each checked for a property its figures
+must have; and the benches with tests of their own measure (fp8 all-gather bytes, the quantized exports'
+table) at small sizes."""
 
 from __future__ import annotations
 
@@ -8,15 +10,16 @@ import json
 
 import pytest
 
+from lab.bench import benchmark
 from spider_titan import registry
+from spider_titan.models.spider.args import SPIDER_FLAVORS
+
+# the suite's tiny run: one timed step, no warm-up, one 64-byte row
+TINY = ["--reduced", "--steps", "1", "--warmup", "0", "--set", "training.seq_len=64"]
+TINY += ["--set", "training.local_batch_size=1"]
 
 
-def test_checkpoint_io_benchmark_reports_debug_and_1b(tmp_path, monkeypatch):
-    from lab.bench import checkpoint as bench
-
-    monkeypatch.setattr(bench, "PROBE_MIB", 16)
-    monkeypatch.setattr(bench, "REPEATS", 1)
-    result = bench.benchmark_checkpoint_io(argparse.Namespace(dump_folder=str(tmp_path)))
+def check_checkpoint_io(result: dict) -> None:
     assert result["probe"]["write_mb_s"] > 0
     for name in registry.names("model"):
         debug, big = result[name]["debug"], result[name]["1B"]
@@ -28,7 +31,115 @@ def test_checkpoint_io_benchmark_reports_debug_and_1b(tmp_path, monkeypatch):
         # fp32 weights + two AdamW moments: 12 bytes per parameter
         assert big["estimated"] and big["checkpoint_gb"] == pytest.approx(12e-3 * big["params_m"], rel=0.01)
         assert big["save_s"] > 0 and big["load_s"] > 0
-    assert not (tmp_path / "checkpoint_io").exists()
+
+
+def check_moe_layer(result: dict) -> None:
+    row = result["tokens_16"]
+    assert {"python_loop", "torch"} <= set(row) and all(row[b]["fwd_bwd"]["ms"] > 0 for b in ("python_loop", "torch"))
+    assert result["shapes"].startswith(f"dim {SPIDER_FLAVORS['debug'].dim},")  # the debug flavor under --reduced
+
+
+def check_attention(result: dict) -> None:
+    row = result["seq_16"]
+    assert "ms_fwd_bwd" in row["math"] and "ms_fwd_bwd" in row["priority"], row  # math runs every shape
+
+
+def check_pooling_memory(result: dict) -> None:
+    assert result["dense_live_mib"] > result["scatter_live_mib"] > 0, result  # (B, S, T) matrices weigh more
+
+
+def check_ac_memory(result: dict) -> None:
+    flavor = result["debug_flavor_B4_T512"]["n_loops_2"]
+    assert flavor["full"] < flavor["none"] and flavor["recurrent"] < flavor["none"], flavor
+    block = result["debug_core_block_S64"]
+    assert block["full"] < block["selective_op"] < block["none"], block
+
+
+def check_generate(result: dict) -> None:
+    row = result["contexts"]["16"]
+    assert row["cached_bytes_per_s"] > 0 and row["recompute_bytes_per_s"] > 0 and row["timed_bytes"]["cached"] == 4
+    script = result["generate_py"]
+    assert script["cached"]["reported_bytes_per_s"] > 0 and script["no_cache"]["reported_bytes_per_s"] > 0, script
+
+
+def check_eager_bytes(result: dict) -> None:
+    assert result["config"].endswith("debug_model.toml") and result["gb_per_step"] >= 0 and result["ops_per_step"] > 0
+
+
+def check_packed_rows(result: dict) -> None:
+    assert result["ms_fwd_bwd"] > 0 and result["shapes"].startswith("2 rows x 20 slots")  # 1.3 x 16 segments
+
+
+def check_comm(result: dict) -> None:
+    loops = result["n_loops_2"]
+    assert loops["core_all_gather"] > 0 and loops["per_block_units_core_all_gather"] > 0, loops
+    assert result["expert_parallel"]["all_to_all"] > 0 and result["float8_linears"]["fp8_all_gather"] > 0
+    assert result["grad_accum"]["after"]["total"] < result["grad_accum"]["before"]["total"], result["grad_accum"]
+
+
+def check_ep_capacity(result: dict) -> None:
+    rows = result["results"]
+    assert set(rows) == {"dynamic", "capacity_1.25"} and rows["dynamic"]["bytes_vs_dynamic"] == 1.0, rows
+    assert all(r["all_to_all_bytes_per_step"] > 0 for r in rows.values()), rows
+
+
+def check_kernel_bytes(result: dict) -> None:
+    params = result["params"]
+    assert params["mib_per_step"].get("generated", 0) > 0 and params["graph_calls"] > 0, params
+
+
+def check_training(result: dict) -> None:
+    assert result["tokens_per_step"] == 64 and result["tokens_per_s"] > 0, result  # --set reached the trainer
+
+
+CHECKS = {
+    "checkpoint_io": check_checkpoint_io,
+    "moe_layer": check_moe_layer,
+    "attention": check_attention,
+    "pooling_memory": check_pooling_memory,
+    "ac_memory": check_ac_memory,
+    "generate": check_generate,
+    "eager_bytes": check_eager_bytes,
+    "packed_rows": check_packed_rows,
+    "comm": check_comm,
+    "ep_capacity": check_ep_capacity,
+    "kernel_bytes": check_kernel_bytes,
+    "spider_debug_compiled": check_training,
+}
+# several processes (gloo ranks, torchrun) or an inductor compile each: the full suite runs them, the fast lane not
+SLOW = {"comm", "ep_capacity", "kernel_bytes", "spider_debug_compiled"}
+
+
+def test_every_scenario_is_checked_here():
+    """Each scenario is run by a test: the ones below, and dense_debug with spider_debug (compared)."""
+    assert set(CHECKS) | {"dense_debug", "spider_debug"} == set(benchmark.SCENARIOS) | set(benchmark.TRAIN_SCENARIOS)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CHECKS])
+def test_each_scenario_runs_at_tiny_size(name, tmp_path, in_process):
+    args = benchmark.parse_args([name, *TINY, "--dump_folder", str(tmp_path)])
+    if name in benchmark.TRAIN_SCENARIOS:
+        result = benchmark.run_training(*benchmark.TRAIN_SCENARIOS[name], args)
+    else:
+        result = benchmark.SCENARIOS[name](args)
+    CHECKS[name](json.loads(json.dumps(result)))  # as the report prints it
+
+
+def test_two_training_scenarios_are_compared_and_appended(tmp_path, in_process, capsys):
+    """dense_debug against spider_debug in one process: both rows, their tokens/s ratio, and the markdown
+    file appended to (the text before it kept), written whole."""
+    md = tmp_path / "bench.md"
+    md.write_text("# before\n")
+    argv = ["dense_debug", "spider_debug", *TINY, "--dump_folder", str(tmp_path / "runs"), "--markdown", str(md)]
+    assert benchmark.main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index('{\n  "machine"') :])  # the report, after the trainers' log lines
+    for name in ("dense_debug", "spider_debug"):
+        check_training(report["results"][name])
+    assert report["ratio_tokens_per_s"]["dense_debug/spider_debug"] > 0
+    text = md.read_text()
+    assert text.startswith("# before\n") and "### `python -m lab.bench.benchmark dense_debug spider_debug" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.md", "runs"]
 
 
 def test_fp8_all_gather_halves_bf16_bytes():
