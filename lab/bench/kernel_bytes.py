@@ -109,7 +109,7 @@ def _outside_bytes(host: list) -> int:
     return total
 
 
-def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
+def measure(mode: str, batch: int, seq_len: int, out: Path, *, reduced: bool = False) -> dict:
     """One compiled bf16 step of the reduced-width Spider 1B under ``mode``: MiB per step by kind, and
     the generated kernels that move the most."""
     from torch.profiler import ProfilerActivity, profile
@@ -121,7 +121,8 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
 
     argv = trainer_flags(
         {
-            "job.config_file": REPO / "train_configs" / "spider_1b.toml",
+            # the dry run (``reduced``): the debug model, a few graphs to compile instead of the 1B structure's
+            "job.config_file": REPO / "train_configs" / ("debug_model.toml" if reduced else "spider_1b.toml"),
             "training.dataset": "mock",
             "training.target_tokens": 0,
             "training.gradient_accumulation_steps": 1,
@@ -137,7 +138,7 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
             "metrics.enable_jsonl": False,
             "training.steps": 3,
             "job.dump_folder": out / f"kernel_bytes_{mode}",
-            **{f"model.{k}": v for k, v in WIDTHS.items()},
+            **({} if reduced else {f"model.{k}": v for k, v in WIDTHS.items()}),
         }
     )
     torch._dynamo.reset()
@@ -179,13 +180,13 @@ def measure(mode: str, batch: int, seq_len: int, out: Path) -> dict:
 
 
 def benchmark_kernel_bytes(args: argparse.Namespace) -> dict:
-    """Both precision modes at 2 rows of 1,024 bytes (``args.reduced``: ``params`` alone, one row of 128
-    bytes: the suite's dry run)."""
+    """Both precision modes at 2 rows of 1,024 bytes (``args.reduced``: ``params`` alone on the debug model,
+    one row of 128 bytes: the suite's dry run)."""
     out = Path(args.dump_folder)
     reduced = getattr(args, "reduced", False)
     batch, seq_len = (1, 128) if reduced else (2, 1024)
     modes = ("params",) if reduced else ("params", "autocast")
-    rows = {mode: measure(mode, batch=batch, seq_len=seq_len, out=out) for mode in modes}
+    rows = {mode: measure(mode, batch=batch, seq_len=seq_len, out=out, reduced=reduced) for mode in modes}
     if "autocast" in rows:
         params, autocast = (rows[m]["mib_per_step"].get("generated", 0.0) for m in ("params", "autocast"))
         rows["generated_params_over_autocast"] = round(params / autocast, 3) if autocast else None
