@@ -328,7 +328,7 @@ class Trainer:
         model = run.model
         model.train()
         fwd_bwd = self.step_graph if self.step_graph is not None else self._forward_backward
-        with record_function(FORWARD_BACKWARD):  # what training.cuda_graph replays (scripts/bench_gpu.py counts it)
+        with record_function(FORWARD_BACKWARD):  # what training.cuda_graph replays (lab/bench/gpu.py counts it)
             ce_total, label_tokens, aux_totals = fwd_bwd(micro_batches, step)
         global_tokens = label_tokens.clamp(min=1.0)
         grad_norm = clip_grad_norm_(list(model.parameters()), self.cfg.training.max_norm)

@@ -410,9 +410,7 @@ def harness(args, clock: Clock, report: dict) -> None:
     if left < 30:
         report["harness"] = {"skipped": f"{max(left, 0):.0f} s left of the call (--total_s {args.total_s:g})"}
         return
-    # the harness's module once the lab holds it; scripts/benchmark.py gpu_1b until then
-    moved = (ROOT / "lab" / "bench" / "gpu.py").is_file()
-    cmd = [sys.executable, "-m", "lab.bench.gpu"] if moved else [sys.executable, "scripts/benchmark.py", "gpu_1b"]
+    cmd = [sys.executable, "-m", "lab.bench.gpu"]
     out = Path(args.out)
     cmd += ["--out", str(Path(args.work) / "harness"), "--rows", args.harness_rows, "--total_s", f"{left - 10:.0f}"]
     cmd += args.harness_args.split()

@@ -15,7 +15,7 @@ from spider_titan.quantization.weight_only import is_quantized
 # SDPA backends, most preferred first. FlashAttention needs q, k and v of one head dim, so MLA's
 # (qk 192, v 128) would fall through to math with torch's default order on some builds; cuDNN and
 # the memory-efficient kernel take unequal dims. On CPU only flash (CPU) and math apply.
-# GPU figures per backend: scripts/benchmark.py attention (docs/benchmarks.md).
+# GPU figures per backend: python -m lab.bench.benchmark attention (docs/benchmarks.md).
 SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,

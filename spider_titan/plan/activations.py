@@ -75,7 +75,7 @@ def measure_activation_bytes(
     ``param_dtype`` below fp32, the step runs as the builder sets it up on a GPU: fp32 parameters cast
     once per step (``mixed_precision_mode``: all of them, or the matmul weights under autocast; their
     copies: ``cast_bytes``). ``observer(func, args, kwargs, out)`` sees each op run outside compiled
-    graphs (scripts/bench_eager_bytes.py); a step observed is measured afresh, not cached."""
+    graphs (lab/bench/eager_bytes.py); a step observed is measured afresh, not cached."""
     if observer is not None:
         return _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, observer)
     key = (repr(cfg), batch, seq_len, param_dtype, gpu_attention, backward, fsdp)

@@ -98,10 +98,10 @@ def micro_batch_line(plan: Plan, cfg: JobConfig) -> str:
     )
 
 
-CHECKPOINTING_NOT_NEEDED = "checkpointing  not needed at that micro-batch"  # scripts/bench_gpu.py reads it
+CHECKPOINTING_NOT_NEEDED = "checkpointing  not needed at that micro-batch"  # lab/bench/gpu.py reads it
 
 
-MEMORY_BUDGET_FITS = "memory budget  fits at that micro-batch"  # scripts/bench_gpu.py reads it
+MEMORY_BUDGET_FITS = "memory budget  fits at that micro-batch"  # lab/bench/gpu.py reads it
 
 
 def checkpointing_line(plan: Plan, cfg: JobConfig) -> str | None:

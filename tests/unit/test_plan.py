@@ -34,7 +34,7 @@ B, T = 2, 128
 
 
 def real_activation_bytes(cfg) -> int:
-    """metrics/memory.py's count (what ``scripts/benchmark.py ac_memory`` reports) for a training
+    """metrics/memory.py's count (what ``python -m lab.bench.benchmark ac_memory`` reports) for a training
     forward and loss on real CPU tensors, the same work the plan measures on fake ones."""
     spec, _, model = build_model(cfg)
     materialize(model, torch.device("cpu"), 0)
@@ -292,7 +292,7 @@ def test_the_1gpu_config_is_the_planners_pick_and_its_plan_matches_the_h200():
     h200 = dataclasses.replace(plan, gpu_memory_bytes=141 * GIB)
     assert largest_micro_batch(h200, cfg)[:2] == (16, 1) and fits_with_room(h200, nbytes)
     assert 0.1 < saved < 0.25  # the recompute's share of the step's matmul and attention FLOPs
-    # the line the GPU harness reads (scripts/bench_gpu.py, row spider_1b_planned)
+    # the line the GPU harness reads (lab/bench/gpu.py, row spider_1b_planned)
     assert checkpointing_line(h200, cfg).startswith(CHECKPOINTING_NOT_NEEDED)
     assert not checkpointing_line(dataclasses.replace(plan, measure_at_budget=None), cfg).startswith(
         CHECKPOINTING_NOT_NEEDED

@@ -124,7 +124,7 @@ class Spider(nn.Module):
 
     def byte_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prelude's byte states (B, T, dim) of ``input_ids``: what the boundary predictor reads
-        (scripts/segment_capacity.py and the GPU harness segment with them, without the core)."""
+        (lab/analysis/segment_capacity.py and the GPU harness segment with them, without the core)."""
         freqs = rope_frequencies(
             self.args.qk_rope_head_dim, input_ids.shape[1], self.args.rope_theta, device=input_ids.device
         )
@@ -154,7 +154,7 @@ class Spider(nn.Module):
         device = input_ids.device
         freqs = rope_frequencies(a.qk_rope_head_dim, T, a.rope_theta, device=device)  # (T, rope/2, 2)
 
-        # Named ranges (the profiler's "spider.*", scripts/bench_gpu.py): where a step's time goes.
+        # Named ranges (the profiler's "spider.*", lab/bench/gpu.py): where a step's time goes.
         with record_function("spider.byte_blocks"):
             x = self.prelude(self.embed(input_ids), freqs)  # (B, T, dim)
         chunker = self.chunker
