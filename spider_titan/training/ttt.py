@@ -48,9 +48,9 @@ class TTTSettings:
     """Predictions per chunk: each chunk is scored, then learned from."""
     steps: int = 1
     """Optimizer steps on each chunk after it is scored (the first reuses the scoring forward)."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     """Adam learning rate of the adapters."""
-    rank: int = 8
+    rank: int = 32
     """Rank of each LoRA adapter."""
     blocks: int = 1
     """Trailing blocks of the model whose linears get adapters."""
