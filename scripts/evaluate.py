@@ -4,6 +4,7 @@ difference and its standard error over the windows.
     python scripts/evaluate.py --model A/export --model B/export --data data/held_out  # B against A
     python scripts/evaluate.py --model RUN/export --n_loops 2,4                 # one Spider at 2 and 4 loops
     python scripts/evaluate.py --model RUN/export --n_loops trained,max --json out.json  # n_loops, max_loops
+    python scripts/evaluate.py --model RUN/export --ttt --data data/held_out       # test-time training against none
 
 Every entry is evaluated on the same bytes (the whole val split, as ``validation.steps = -1``), so
 their difference is measured far more precisely than either figure: the standard error is the
@@ -11,11 +12,14 @@ spread of the per-window differences (a ratio estimator over windows, each weigh
 which is what decides whether one model (or loop count) is better, worse or indistinguishable.
 ``--model`` takes an export folder or a run / checkpoint folder (its newest complete checkpoint), as
 generate.py. Several ``--model`` (Spider or dense) are each evaluated as trained, against the first;
-one Spider with ``--n_loops`` is evaluated at each loop count, against the first count.
+one Spider with ``--n_loops`` is evaluated at each loop count, against the first count. ``--ttt``
+evaluates each model on the split's documents chunk by chunk, with and without score-first test-time
+training (spider_titan/training/ttt.py), paired over the same chunks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,8 +31,9 @@ import torch
 from spider_titan import registry
 from spider_titan.data.loader import ByteDataLoader
 from spider_titan.errors import ScriptParser
-from spider_titan.generation import load_model
+from spider_titan.generation import load_model, model_spec
 from spider_titan.protocol import paired_difference, window_cross_entropy
+from spider_titan.training.ttt import TTTSettings, score_documents, split_documents
 from spider_titan.training.validation import whole_split_batches
 
 PROG = "evaluate"
@@ -99,7 +104,24 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--batch", type=int, default=8, help="val windows per forward (default 8)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda; fp32 either way")
     p.add_argument("--json", default=None, help="also write the figures here")
+    defaults = TTTSettings()
+    p.add_argument("--ttt", action="store_true", help="each model with and without test-time training, per document")
+    p.add_argument("--ttt_chunk", type=int, default=defaults.chunk_bytes, help="TTT: predictions per chunk")
+    p.add_argument("--ttt_steps", type=int, default=defaults.steps, help="TTT: optimizer steps per chunk")
+    p.add_argument("--ttt_lr", type=float, default=defaults.lr, help="TTT: the adapters' Adam learning rate")
+    p.add_argument("--ttt_rank", type=int, default=defaults.rank, help="TTT: rank of each LoRA adapter")
+    p.add_argument("--ttt_blocks", type=int, default=defaults.blocks, help="TTT: trailing blocks adapted")
+    p.add_argument("--max_bytes", type=int, default=0, help="read only the split's first bytes (default 0: all)")
     args = p.parse_args(argv)
+    if args.ttt:
+        if args.n_loops is not None:
+            raise fail("--ttt compares each model with and without test-time training; leave out --n_loops")
+        args.ttt = TTTSettings(args.ttt_chunk, args.ttt_steps, args.ttt_lr, args.ttt_rank, args.ttt_blocks)
+        problems = args.ttt.problems(args.seq_len)
+        if problems:
+            raise fail(f"{problems[0]} (--ttt_* options)")
+    if args.max_bytes < 0:
+        raise fail(f"--max_bytes {args.max_bytes}: give 0 (the whole split) or a positive number")
     if len(args.model) > 1 and args.n_loops is not None:
         raise fail("--n_loops takes one --model; several are compared as trained")
     if args.n_loops is not None:
@@ -135,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         models = {path: load_model(Path(path), device=device)[0] for path in args.model}
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e).splitlines()[0]) from None
+    if args.ttt:
+        rows = ttt_rows(models, dataset, args, device)
+        write_json(args.json, rows)
+        return
     loader = ByteDataLoader(
         dataset, seq_len=args.seq_len, local_batch_size=args.batch, dp_rank=0, dp_world_size=1, seed=0
     )
@@ -148,14 +174,59 @@ def main(argv: list[str] | None = None) -> None:
         loops = parse_loops(args.n_loops or "2,4", model.args)
         losses = {n: window_losses(model, loader, n, device) for n in loops}
         rows = report(losses, lambda n: {"n_loops": n}, lambda n: f"n_loops {n}")
-    if args.json:
-        out = Path(args.json)
+    write_json(args.json, rows)
+
+
+def write_json(path: str | None, rows: list[dict]) -> None:
+    """``rows`` as JSON at ``path`` (nothing when None), under a temporary name until whole."""
+    if path:
+        out = Path(path)
         partial = out.with_name(f".{out.name}.partial")  # renamed when whole: never half a file
         try:
             partial.write_text(json.dumps(rows, indent=1) + "\n")
             os.replace(partial, out)
         finally:
             partial.unlink(missing_ok=True)
+
+
+def ttt_rows(models: dict, dataset, args, device: torch.device) -> list[dict]:
+    """Each model on the split's documents, without and with test-time training, paired over the chunks."""
+    tokens = dataset.window(0, min(dataset.num_tokens, args.max_bytes or dataset.num_tokens))
+    docs = split_documents(tokens.astype("int64"))
+    rows = []
+    for path, model in models.items():
+        spec = model_spec(model)
+        if spec is None:
+            raise fail(f"--model {path}: a {type(model).__name__} is no registered model; --ttt needs its spec")
+        common = dict(seq_len=args.seq_len, batch_size=args.batch, device=device)
+        try:
+            plain = score_documents(model, spec, docs, ttt=None, chunk_bytes=args.ttt.chunk_bytes, **common)
+            adapted = score_documents(model, spec, docs, ttt=args.ttt, **common)
+        except ValueError as e:
+            raise fail(f"--model {path}: {e}") from None
+        if not int(plain.count.sum()):
+            raise fail("the val split holds no predictions to score")
+        diff, se = paired_difference(adapted.ce, plain.ce, plain.count)
+        row = {
+            "model": path,
+            "val_bpb": plain.bpb,
+            "ttt_bpb": adapted.bpb,
+            "diff_bpb": diff,
+            "se_bpb": se,
+            "chunks": int((plain.count > 0).sum()),
+            "documents": len(docs),
+            "seconds": plain.seconds,
+            "ttt_seconds": adapted.seconds,
+            "adapted": adapted.adapted,
+            "ttt": dataclasses.asdict(args.ttt),
+        }
+        rows.append(row)
+        print(
+            f"{path}: val bpb {plain.bpb:.5f}  with TTT {adapted.bpb:.5f}  {diff:+.5f} +- {se:.5f} (1 s.e., "
+            f"{row['chunks']} chunks of {len(docs)} documents); {plain.seconds:.1f} s plain, {adapted.seconds:.1f} s "
+            f"with TTT ({adapted.seconds / max(plain.seconds, 1e-9):.2f}x); {len(adapted.adapted)} linears adapted"
+        )
+    return rows
 
 
 def report(losses: dict, fields, label) -> list[dict]:

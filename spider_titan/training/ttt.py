@@ -143,6 +143,8 @@ class RowAdapters:
         b1, b2 = _BETAS
         with torch.no_grad():
             for p, m, v in zip(self.params, self.m, self.v):
+                if p.grad is None:  # a linear the loss does not reach (e.g. one feeding only a routing choice)
+                    continue
                 g = p.grad[rows]
                 m[rows] = b1 * m[rows] + (1 - b1) * g
                 v[rows] = b2 * v[rows] + (1 - b2) * g * g

@@ -117,6 +117,23 @@ def test_two_models_and_two_loop_counts_on_the_same_windows(files, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]  # no temporary file left
 
 
+def test_ttt_scores_each_model_with_and_without_adapting(files, tmp_path):
+    """--ttt: each model over the split's documents, plain and adapted over the same chunks (the two
+    differ: the adapters learned), every prediction scored once, the adapted linears named."""
+    out = tmp_path / "ttt.json"
+    flags = ["--model", str(files["spider"]), "--model", str(files["dense"]), "--data", str(files["data"])]
+    flags += ["--seq_len", "64", "--ttt", "--ttt_chunk", "32", "--ttt_lr", "0.05", "--json", str(out)]
+    code, stdout, err = run_script(SCRIPT, flags)
+    assert code == 0, err
+    rows = json.loads(out.read_text())
+    assert [r["model"] for r in rows] == [str(files["spider"]), str(files["dense"])]
+    for r in rows:
+        assert r["chunks"] == 8 and r["documents"] == 1  # 256 predictions of one document, 32 a chunk
+        assert r["diff_bpb"] == pytest.approx(r["ttt_bpb"] - r["val_bpb"], abs=1e-9) and r["diff_bpb"] != 0
+        assert r["adapted"] and r["ttt"]["chunk_bytes"] == 32
+    assert "with TTT" in stdout and "linears adapted" in stdout
+
+
 MISTAKES = [
     # (flags, with {spider}, {dense}, {data}, {empty}, {file}, {missing} filled in; what the line says)
     (["--model", "{missing}"], "no such folder"),
@@ -135,6 +152,12 @@ MISTAKES = [
     (["--model", "{spider}", "--loops", "2,4"], "unrecognized arguments: --loops"),
     (["--model", "{spider}", "--seq_len", "many"], "invalid int value"),
     ([], "--model"),
+    (["--model", "{spider}", "--ttt", "--n_loops", "1,2"], "leave out --n_loops"),
+    (["--model", "{spider}", "--ttt", "--ttt_chunk", "999"], "chunk_bytes 999 must be in 1..seq_len"),
+    (["--model", "{spider}", "--ttt", "--ttt_lr", "-1"], "lr -1.0 must be a finite number"),
+    (["--model", "{spider}", "--ttt", "--ttt_steps", "0"], "steps 0 must be >= 1"),
+    (["--model", "{spider}", "--ttt", "--ttt_blocks", "0"], "blocks 0 must be >= 1"),
+    (["--model", "{spider}", "--max_bytes", "-5"], "--max_bytes -5"),
 ]
 if not torch.cuda.is_available():
     MISTAKES.append((["--model", "{spider}", "--device", "cuda"], "no CUDA device"))
