@@ -160,8 +160,9 @@ class ModelSpec:
                       a model saved without them (:meth:`saved_args`, which every reader of a
                       checkpoint or export applies, fills them in)
     retired_args:     args fields that left the model -> (the saved value the remaining code reproduces,
-                      None for any; the last commit that had the field): a saved model with that value
-                      loads without it, any other is refused in one line naming the field and commit
+                      None for any; the last release or commit that had the field, e.g. "release v0.1.0"):
+                      a saved model with that value loads without it, any other is refused in one line
+                      naming the field and that release
     calibrate:        ``(model, args, score: WindowScorer) -> {name: figure}``: after the last training
                       step, fits eval-time settings of the trained model (buffers, never its trained
                       weights) on fresh training batches scored by ``score``, the same way on every
@@ -233,10 +234,10 @@ class ModelSpec:
             if self.retired_args[k][0] is not None and v != self.retired_args[k][0]
         ]
         if used:
-            fields = ", ".join(f"{k} = {v!r} (last in commit {commit})" for k, v, commit in used)
+            fields = ", ".join(f"{k} = {v!r} (last in {where})" for k, v, where in used)
             raise ValueError(
                 f"this {self.name} model was saved with options that have left spider_titan: {fields}; "
-                "load it with spider_titan at that commit"
+                "load it with spider_titan at that release"
             )
         return args
 

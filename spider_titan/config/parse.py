@@ -282,8 +282,8 @@ def parse(argv: list[str]) -> tuple[JobConfig | None, list[str]]:
                 retired = registry.get("model", cfg.model.name).retired_args.get(key)
                 if retired is not None:
                     problems.append(
-                        f"{origin}: model.{key} has left {cfg.model.name} (last in commit {retired[1]}; "
-                        "docs/experiments.md has its measurements); remove it"
+                        f"{origin}: model.{key} has left {cfg.model.name} (last in {retired[1]}; "
+                        "lab/DECISIONS.md says why); remove it"
                     )
                     continue
                 problems.append(

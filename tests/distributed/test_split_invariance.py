@@ -171,24 +171,3 @@ def test_moe_aux_loss_gradient_over_two_ranks_equals_one_process(tmp_path):
     # without the sum, each rank's aux loss is its own micro-batch's: a different loss
     _, halves = zip(*(moe(x[r::2], token_mask=mask[r::2]) for r in range(2)))
     assert abs(float(sum(h.aux_loss.detach() for h in halves) / 2 - stats.aux_loss.detach())) > 1e-4
-
-
-def test_per_segment_depth_trains_the_same_on_one_rank_and_two(tmp_path):
-    """``model.depth_capacity``: the router's choices are per row (causal, no batch statistic), so one
-    process and FSDP over 2 ranks train the same model: every step's loss within 1e-5 relative, and
-    the loops after the first run on part of the segments (``depth_share_*`` logged)."""
-    depth = ["--model.n_loops", "3", "--model.depth_capacity", "[0.5, 0.5, 0.5]", "--checkpoint.export_at_end", "false"]
-    single = run_train(
-        COMMON + depth + ["--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "one")]
-    )
-    check_ok(single)
-    two = run_train(
-        COMMON + depth + ["--training.local_batch_size", "1", "--job.dump_folder", str(tmp_path / "two")], nprocs=2
-    )
-    check_ok(two)
-    ref = train_losses(tmp_path / "one")
-    assert ref[5] < ref[1]
-    gaps = _relative_gaps(ref, train_losses(tmp_path / "two"))
-    assert max(gaps.values()) < 1e-5, gaps
-    shares = [r["depth_share_3"] for r in read_metrics(tmp_path / "one") if "depth_share_3" in r]
-    assert len(shares) == 5 and all(0.05 < s < 0.6 for s in shares), shares

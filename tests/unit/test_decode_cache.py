@@ -43,39 +43,30 @@ def _row(n: int, seed: int) -> list[int]:
     return [BOS_ID] + [b if i % 7 else c for i, (b, c) in enumerate(zip(body, noise))]
 
 
-DEPTH = [0.5, 0.5, 0.25]  # per-segment depth (recurrence.DepthRouter): loops 2-4 on at most these shares
-
-
 @pytest.mark.parametrize(
-    "predictor, n_loops, convention, depth, ngrams",
+    "predictor, n_loops, convention, ngrams",
     [
-        ("cosine", 1, "mean", [], []),
-        ("cosine", 3, "mean", [], []),
-        ("fixed", 2, "mean", [], []),
-        ("cosine", 2, "first", [], []),
-        ("fixed", 2, "first", [], []),
-        ("cosine", 4, "first", DEPTH, []),
-        ("cosine", 3, "mean", DEPTH, []),
-        ("cosine", 2, "first", [], [2, 3, 6]),  # hashed byte n-grams: each new byte's window of earlier bytes
+        ("cosine", 1, "mean", []),
+        ("cosine", 3, "mean", []),
+        ("fixed", 2, "mean", []),
+        ("cosine", 2, "first", []),
+        ("fixed", 2, "first", []),
+        ("cosine", 4, "first", []),
+        ("cosine", 2, "first", [2, 3, 6]),  # hashed byte n-grams: each new byte's window of earlier bytes
     ],
     ids=str,
 )
-def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops, convention, depth, ngrams):
+def test_cached_logits_equal_the_full_forward_at_every_position(predictor, n_loops, convention, ngrams):
     """A 520-byte row (an 8-byte prompt, 64 bytes one by one, then 448 at once): every position's logits, with our segment
     convention (``mean``) and with H-Net's (``first``: chunk starts), learned segments (dechunk
-    smoothing and the confidence factor) and fixed ones (neither), and with per-segment depth (a
-    loop's cache holds its runners only), and with hashed byte n-grams (each new byte's n-grams read the
-    bytes before it)."""
-    model = _model(
-        boundary_predictor=predictor, chunk_convention=convention, depth_capacity=depth, byte_ngram_orders=ngrams
-    )
+    smoothing and the confidence factor) and fixed ones (neither), and with hashed byte n-grams (each
+    new byte's n-grams read the bytes before it)."""
+    model = _model(boundary_predictor=predictor, chunk_convention=convention, byte_ngram_orders=ngrams)
     ids = torch.tensor([_row(520, 1)])
     with torch.no_grad():
         full = model(ids, n_loops=n_loops).logits
         segments = model(ids, n_loops=n_loops).aux["bytes_per_segment"]
     assert 2.0 < float(segments) < 12.0  # the rule really cuts (a realistic rate, not every byte)
-    if depth:  # the router really routes: some segments skip loop 2, some run it
-        assert 0.2 < float(model(ids, n_loops=n_loops).aux["depth_share_2"]) < 0.8
     cache = new_cache(model, 1, n_loops=n_loops)
     # a prompt at once, then 64 bytes one at a time (generation), then the rest at once (a next turn)
     pieces = [decode(model, ids[:, :8], cache)]

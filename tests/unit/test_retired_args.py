@@ -1,6 +1,6 @@
 """Options that left the Spider model (SPIDER_RETIRED_ARGS): a saved model that used the value the code
 still computes loads without them; one that used another value is refused in one line naming the option
-and the last commit that had it."""
+and the last release or commit that had it."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ SAVED_BEFORE = {
     "extra_loop_gains": True,
     "loop_state_norm": False,
     "pack_segments": True,
+    "depth_capacity": [],
+    "depth_scale_range": 1.0,
 }
 
 
@@ -63,7 +65,7 @@ def test_another_value_is_refused_in_one_line(field, value):
         ModelIdentity.from_json(saved_identity(**{field: value}))
     line = str(e.value)
     assert "\n" not in line and f"{field} = {value!r}" in line, line
-    assert f"last in commit {SPIDER_RETIRED_ARGS[field][1]}" in line, line
+    assert f"last in {SPIDER_RETIRED_ARGS[field][1]}" in line, line
 
 
 def test_an_export_with_a_retired_option_fails_to_load_in_one_line(tmp_path):

@@ -186,12 +186,6 @@ def test_bad_depth_args_are_reported():
     problems = " ".join(all_problems(bad))
     assert "model.backprop_loops = -1 is not allowed" in problems, problems
     assert "model.loop_sampling = 'uniform' is not one of" in problems, problems
-    bad = dataclasses.replace(SPIDER_FLAVORS["debug"], depth_capacity=[0.5, 1.5], backprop_loops=1)
-    problems = " ".join(all_problems(bad))
-    assert "depth_capacity: 2 entries; give one per loop after the first (max_loops - 1 = 3)" in problems, problems
-    assert "every share must be in (0, 1]" in problems and "needs backprop_loops = 0" in problems, problems
-    bad = dataclasses.replace(SPIDER_FLAVORS["debug"], depth_scale_range=2.0)
-    assert "depth_capacity, which is empty" in " ".join(all_problems(bad))
 
 
 def test_random_initial_state_is_keyed_by_sample():
@@ -263,26 +257,3 @@ def test_loop_step_sizes_scale_each_loops_move():
     out.loss.backward()
     grad = model.core.loop_step.grad
     assert torch.equal(grad[:2], torch.zeros(2)) and bool((grad[2:] != 0).all()), grad
-
-
-def test_sampled_depth_scale_is_a_function_of_the_step_and_scales_the_shares():
-    """``depth_scale_range`` r: each training step's scale of the depth shares lies in [1/r, r], is the
-    same for the same step (every rank and micro-batch) and varies over steps; a step at a scale
-    below 1 runs its routed loop on fewer segments than the same batch at eval, where no scale applies."""
-    from spider_titan.models.spider.recurrence import sample_depth_scale
-
-    args = dataclasses.replace(
-        SPIDER_FLAVORS["debug"], n_loops=3, depth_capacity=[0.5, 0.5, 0.25], depth_scale_range=2.0
-    )
-    scales = [sample_depth_scale(args, step) for step in range(50)]
-    assert all(0.5 <= s <= 2.0 for s in scales) and len(set(scales)) == 50
-    assert scales == [sample_depth_scale(args, step) for step in range(50)]
-    assert sample_depth_scale(dataclasses.replace(args, depth_scale_range=1.0), 7) == 1.0
-    model = build(seed=1, n_loops=3, depth_capacity=[0.5, 0.5, 0.25], depth_scale_range=2.0)
-    ids = torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(0))
-    step = next(s for s, x in enumerate(scales) if x < 0.7)
-    model.train()
-    with torch.no_grad():
-        low = float(model(ids, labels=ids, step=step).aux["depth_share_2"])
-        plain = float(model(ids, labels=ids).aux["depth_share_2"])
-    assert low < 0.8 * plain, (low, plain)

@@ -114,21 +114,16 @@ BOUNDARY_CONFIGS = {
 }
 
 
-# Per-segment depth (recurrence.DepthRouter) under both conventions: 3 loops, the last two routed.
-DEPTH = {"n_loops": 3, "depth_capacity": [0.5, 0.5, 0.5]}
-DEPTH_CONFIGS = {"depth_first": {"chunk_convention": "first", **DEPTH}, "depth_mean": {**MEAN_PATH, **DEPTH}}
 # Hashed byte n-grams at the input (models.common.ByteNgrams), under both conventions
 NGRAMS = {"byte_ngram_orders": [2, 3, 6]}
 NGRAM_CONFIGS = {"ngrams_first": {"chunk_convention": "first", **NGRAMS}, "ngrams_mean": {**MEAN_PATH, **NGRAMS}}
 
 
-@pytest.mark.parametrize(
-    "predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first", *DEPTH_CONFIGS, *NGRAM_CONFIGS]
-)
+@pytest.mark.parametrize("predictor", [*BOUNDARY_CONFIGS, "content", "every_byte", "content_first", *NGRAM_CONFIGS])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_causality(monkeypatch, predictor, train):
     # the forced predictors with either convention: ragged segments under both read only the past
-    config = (DEPTH_CONFIGS | NGRAM_CONFIGS).get(predictor) or (
+    config = NGRAM_CONFIGS.get(predictor) or (
         {"chunk_convention": "first"} if predictor == "content_first" else BOUNDARY_CONFIGS.get(predictor, MEAN_PATH)
     )
     model = build(seed=1, **config)
@@ -182,23 +177,6 @@ def test_causality_check_catches_byte_ngrams_that_read_the_next_byte(monkeypatch
         ByteNgrams, "bucket_ids", lambda self, ids, first=0: _pad(own(self, ids, first)[:, 1:], (0, 0, 0, 1))
     )
     gaps = causality_gaps(model, sample_ids(0), train=False, seed=0, positions=[3, 11, 19, 26, 33])
-    assert max(before for _, before, _ in gaps) > 1e-3
-
-
-@pytest.mark.parametrize("convention", ["first", "mean"])
-def test_causality_check_catches_a_depth_router_that_reads_the_whole_row(monkeypatch, convention):
-    """Per-segment depth: a router that ranks each segment's score among the whole row's (as an
-    expert-choice top-k over the sequence does) lets later segments decide which earlier ones run a
-    loop; the check flags it, and passes the causal router (test_causality)."""
-    from spider_titan.models.spider import recurrence
-
-    model = build(seed=1, **DEPTH_CONFIGS[f"depth_{convention}"])
-
-    def whole_row(x, first=0):  # the rank among every segment of the row, later ones included
-        return (x[:, first:].unsqueeze(2) > x.unsqueeze(1)).float().mean(-1)
-
-    monkeypatch.setattr(recurrence, "causal_quantile", whole_row)
-    gaps = causality_gaps(model, sample_ids(0, T=160), train=False, seed=0, positions=range(20, 160, 10))
     assert max(before for _, before, _ in gaps) > 1e-3
 
 

@@ -96,7 +96,6 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (2, 256, {"chunk_convention": "mean"}, None),
         (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
         (2, 256, {"boundary_dim": 0}, None),
-        (2, 256, {"n_loops": 4, "depth_capacity": [0.5, 0.5, 0.25]}, None),
         (2, 256, {"byte_ngram_orders": [2, 3, 4]}, None),
     ],
     ids=[
@@ -108,7 +107,6 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "mean_convention",
         "truncated",
         "full_width_predictor",
-        "per_segment_depth",
         "byte_ngrams",  # table lookups: no FLOPs in either count
     ],
 )

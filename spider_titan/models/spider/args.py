@@ -88,14 +88,6 @@ class SpiderArgs:
     """A learned vector added to the state at the start of each loop (false: none)."""
     loop_step_size: bool = False
     """A learned step size per loop: loop i hands on ``h + g_i (F_i(h) - h)``, ``g_i`` starting at 1."""
-    depth_capacity: list[float] = field(default_factory=list)
-    """Per-segment depth (recurrence.py ``DepthRouter``): entry i caps the share of segments that loop
-    i + 2 runs on, chosen causally by a learned router; one entry per loop after the first (max_loops - 1).
-    Empty: every segment runs every loop."""
-    depth_scale_range: float = ranged(1.0, low=1)
-    """Training only, with ``depth_capacity``: each step's shares are scaled by a factor drawn
-    log-uniformly in [1/r, r] from the step (capped at 1), so the later loops learn to serve more or
-    fewer segments; 1: off."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = ranged(4.0, low=1, low_open=True)
@@ -182,18 +174,6 @@ class SpiderArgs:
             )
         if self.packed_capacity and not self.segment_capacity:
             out.append("packed_capacity: packs the slots of segment_capacity, which is 0 (set both, or neither)")
-        if self.depth_capacity:
-            if len(self.depth_capacity) != self.max_loops - 1:
-                out.append(
-                    f"depth_capacity: {len(self.depth_capacity)} entries; give one per loop after the first "
-                    f"(max_loops - 1 = {self.max_loops - 1})"
-                )
-            if not all(0 < c <= 1 for c in self.depth_capacity):
-                out.append(f"depth_capacity: {self.depth_capacity}: every share must be in (0, 1]")
-            if self.backprop_loops:
-                out.append("depth_capacity: per-segment depth needs backprop_loops = 0 (every loop keeps a graph)")
-        elif self.depth_scale_range != 1.0:
-            out.append("depth_scale_range: scales the shares of depth_capacity, which is empty")
         if self.loop_sampling == "tail":
             deep, p_deep, p_one = self.tail_shares()
             if self.n_loops < 2 or deep <= self.n_loops:
@@ -232,8 +212,6 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "boundary_dim": 0,
     "segment_capacity": 0.0,
     "packed_capacity": 0.0,
-    "depth_capacity": [],
-    "depth_scale_range": 1.0,
     "byte_ngram_orders": [],
     "byte_ngram_buckets": 8192,
     "byte_ngram_lr": 1.0,
@@ -241,8 +219,9 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
 
 # Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code
 # computes what the field computed (None: any value, the field had no effect on its own), and the last
-# commit that had it; docs/experiments.md keeps the measurements behind each.
-_LAST = "e0e7ffe"
+# release or commit that had it; lab/DECISIONS.md says why each left.
+_LAST = "commit e0e7ffe"
+_RELEASE = "release v0.1.0"
 SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
     "byte_dim": (0, _LAST),
     "byte_mlp": (True, _LAST),
@@ -262,6 +241,9 @@ SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
     "extra_loop_gains": (True, _LAST),
     "loop_state_norm": (False, _LAST),
     "pack_segments": (None, _LAST),  # packed or padded, the same outputs
+    # per-segment depth (a router choosing which segments run each loop after the first)
+    "depth_capacity": ([], _RELEASE),
+    "depth_scale_range": (None, _RELEASE),  # it scaled depth_capacity's shares, and did nothing without them
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

@@ -13,9 +13,8 @@ tests/unit/test_decode_cache.py) and runs the model's own modules and its Chunke
   once the byte after it is known (the forced boundaries look one byte ahead), so the Chunker says
   which segments are final (``final_segments``) and each goes to the core once, with its vector and
   Engram ids as the full forward computes them;
-* the core: a key/value cache per (loop, block), fed the newly final segments together (under
-  ``depth_capacity`` a loop's cache holds its runners only, ``recurrence.DepthRouter``); ``up_proj`` of the newest
-  segment handed over (smoothed by one step of the Chunker's EMA) is what the next bytes read;
+* the core: a key/value cache per (loop, block), fed the newly final segments together; ``up_proj`` of
+  the newest segment handed over (smoothed by one step of the Chunker's EMA) is what the next bytes read;
 * per-row state: rows may hold different lengths, so each row has its own caches and a batch is
   decoded row by row (the per-byte work is small matrices either way on a CPU).
 
@@ -31,7 +30,6 @@ import torch
 from spider_titan.models.common import GrowingTensor, rope_frequencies
 from spider_titan.models.spider.attention import KVCache
 from spider_titan.models.spider.model import Spider
-from spider_titan.models.spider.recurrence import DepthCache
 from spider_titan.models.spider.segmentation import segment_starts
 
 
@@ -47,7 +45,6 @@ class RowCache:
     prelude: list[KVCache]
     coda: list[KVCache]
     core: list[list[KVCache]]  # [loop][block]
-    depth: list[DepthCache] | None  # [loop]: the depth router's state (depth_capacity), else None
     ids: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # the bytes (1, T) int64
     states: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # prelude outputs (1, T, width)
     scores: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))  # raw boundary scores (1, T)
@@ -81,7 +78,6 @@ def new_cache(model: Spider, batch_size: int, n_loops: int | None = None) -> Spi
             prelude=[KVCache() for _ in model.prelude.layers],
             coda=[KVCache() for _ in model.coda.layers],
             core=[[KVCache() for _ in model.core.layers] for _ in range(n_loops)],
-            depth=None if model.core.depth is None else [DepthCache() for _ in range(n_loops)],
         )
         for _ in range(batch_size)
     ]
@@ -160,7 +156,6 @@ def _close_segments(model: Spider, cache: SpiderCache, row: RowCache, ids: torch
             bucket_ids=chunker.engram_ids(window, seg)[:, j0:j1],
             seg_real=torch.ones(1, j1 - j0, dtype=torch.bool, device=ids.device),
             caches=row.core,
-            depth_caches=row.depth,
         )
         up = model.up_proj(out.output)  # (1, n, width)
         smoothing = chunker.smoothing(seg)  # (1, S_window) or None

@@ -20,8 +20,6 @@ segments), the core running on the real segments only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from spider_titan.vocab import VOCAB_SIZE
 
 
@@ -32,7 +30,6 @@ def spider_flops_breakdown(
     bytes_per_segment: float | None = None,
     backprop_loops: float | None = None,
     row_segments: float | None = None,
-    loop_slots: Sequence[float] = (),
     lora_rows: float = 0.0,
 ) -> dict[str, float]:
     """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``.
@@ -40,8 +37,6 @@ def spider_flops_breakdown(
     0 meaning every loop); the others cost their forward only (truncated backprop).
     ``row_segments``: segment slots per row of the (B, S) layout (default ``seq_len /
     bytes_per_segment``, no padding); ``bytes_per_segment`` then sets the per-segment work only.
-    ``loop_slots``: under ``depth_capacity`` the slots per row of the last ``len(loop_slots)`` loops,
-    each of which runs on that many slots (padding included) instead of every segment.
     ``lora_rows``: the rows of a micro-batch whose loops fold their LoRA into the weights, once per
     loop and micro-batch (``attention.adapted_linear``), and three times more in its backward;
     0: the adapters run on every segment (decoding, float8 linears; an upper bound for planning)."""
@@ -92,8 +87,6 @@ def spider_flops_breakdown(
         }
 
     per_loop = loop_cost(bps, S)
-    routed = [loop_cost(T / k, k) for k in loop_slots]  # each routed loop computes all its slots
-    depth_router = mm(d, 1) * S / T * len(loop_slots)  # a score per (B, S) slot before each routed loop
     learned = a.learned_segments
     fwd = {
         "byte_blocks": n_bytes_blocks * (attn_proj_at(d) + 3 * mm(d, a.inter_dim)),
@@ -107,17 +100,12 @@ def spider_flops_breakdown(
         # the EMA over segments as one (S x S) @ (S x dim) product per row (learned segments only)
         "dechunk_smoothing": mm(S, d) * per_slot * learned,
         "lm_head": mm(d, VOCAB_SIZE),
-        **({"depth_router": depth_router} if loop_slots else {}),
     }
     out = {k: 3.0 * v for k, v in fwd.items()}
-    # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph (every
-    # loop under depth_capacity, which needs backprop_loops = 0).
-    if routed:
-        out.update({k: 3.0 * (v * (loops - len(routed)) + sum(r[k] for r in routed)) for k, v in per_loop.items()})
-    else:
-        out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
+    # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.
+    out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
     if lora_rows:  # a folding loop's backward makes three fold-sized products (the fold again, dA, dB), not two
-        out["core_lora"] += a.n_core * a.loop_lora * lora_folded * (loops if routed else grad_loops)
+        out["core_lora"] += a.n_core * a.loop_lora * lora_folded * grad_loops
     return out
 
 
@@ -128,12 +116,11 @@ def spider_flops_per_byte(
     bytes_per_segment: float | None = None,
     backprop_loops: float | None = None,
     row_segments: float | None = None,
-    loop_slots: Sequence[float] = (),
     lora_rows: float = 0.0,
 ) -> float:
     """Training (fwd + bwd) FLOPs per input byte; also Spider's ``ModelSpec.flops_per_token``."""
     return sum(
         spider_flops_breakdown(
-            args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments, loop_slots, lora_rows
+            args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments, lora_rows
         ).values()
     )

@@ -30,7 +30,6 @@ identity, so at the start the coda reads only the core's output; ``lm_head`` tru
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, S
 from spider_titan.models.spider.attention import MLA, PackedRows
 from spider_titan.models.spider.calibration import calibrate_extra_loops, effective_loops
 from spider_titan.models.spider.flops import spider_flops_per_byte
-from spider_titan.models.spider.recurrence import RecurrentCore, sample_depth_scale, sample_loops
+from spider_titan.models.spider.recurrence import RecurrentCore, sample_loops
 from spider_titan.models.spider.segmentation import BoundaryPredictor, Chunker
 from spider_titan.protocol import FLOPS_PER_BYTE, HFModules, ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
@@ -173,10 +172,7 @@ class Spider(nn.Module):
                 packed = PackedRows.fixed(seg.seg_valid, pack_size)
             else:
                 packed = None
-        scale = (
-            sample_depth_scale(a, step) if self.training and step is not None and self.core.depth is not None else 1.0
-        )
-        with record_function("spider.core"), self.core.depth.scaled(scale) if scale != 1.0 else nullcontext():
+        with record_function("spider.core"):
             core = self.core(
                 chunks,
                 n_loops=n_loops,
@@ -207,10 +203,7 @@ class Spider(nn.Module):
             "moe_aux_loss": core.moe_aux_loss.detach(),
             "boundary_loss": b_loss.detach(),
             "bytes_per_segment": real_bytes / real_segments.float().clamp(min=1.0),
-            # loops per real segment: under depth_capacity the first, plus each later loop's share
-            "mean_loops": sum(
-                core.loop_shares, torch.full((), float(core.loops_run - len(core.loop_shares)), device=device)
-            ),
+            "mean_loops": torch.full((), float(core.loops_run), device=device),  # every segment runs every loop
             "loops_run": torch.full((), float(core.loops_run), device=device),
             "expert_load_min": load.min(),
             "expert_load_max": load.max(),
@@ -228,14 +221,11 @@ class Spider(nn.Module):
                     else B * T / seg.total_segments,
                     backprop_loops=core.backprop_loops,
                     row_segments=S if capacity else seg.max_row_segments,
-                    loop_slots=core.loop_slots,
                     lora_rows=B if self.core.folds_lora() else 0,
                 ),
                 device=device,
             ),
         }
-        # depth_capacity: the share of real segments each loop after the first ran on
-        aux.update({f"depth_share_{i + 2}": share.detach() for i, share in enumerate(core.loop_shares)})
         if capacity:  # the share of the batch's segments past the capacity
             aux["segments_dropped"] = dropped / seg.row_segments.sum()
         if self.core.loop_step is not None:  # loop_step_size: how far each loop moves the state
@@ -293,8 +283,6 @@ def spider_graph_blockers(a: SpiderArgs) -> list[str]:
         reasons.append("model.segment_capacity > 0 (static shapes: without it the forward reads the segment count)")
     if a.loop_sampling != "fixed":
         reasons.append(f"model.loop_sampling 'fixed' (it is {a.loop_sampling!r}: the loop count is drawn per step)")
-    if a.depth_capacity and a.depth_scale_range > 1:
-        reasons.append("model.depth_scale_range 1 (the depth shares are drawn per step)")
     return reasons
 
 

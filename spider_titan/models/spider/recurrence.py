@@ -18,9 +18,7 @@ Loop i of ``n_loops`` on the chunk vectors ``s (B, S, dim)``, starting from ``h_
    At eval a loop past ``n_loops`` hands on ``h_in + gain_i (h - h_in)`` with the buffer
    ``extra_loop_gain`` (ones until the end-of-run calibration fits it, calibration.py): gain 0 hands on
    ``h_in`` bit for bit, so evaluating deeper than trained is never worse than the trained depth.
-5. The core output is ``norm(h)`` after the last loop. Every segment runs every loop, unless
-   ``depth_capacity`` is set: then before each loop after the first a router picks the segments that
-   run it (:class:`DepthRouter`), the others keep their state, and the loop computes only its slots.
+5. The core output is ``norm(h)`` after the last loop; every segment runs every loop.
 
 Training: ``loop_sampling`` draws the step's loop count on the host (:func:`sample_loops`, the same on
 every rank); ``backprop_loops = k`` runs the loops before the last k under no_grad (the MoE balancing
@@ -29,10 +27,8 @@ loss is then the mean over the k loops with a graph); ``loop_init_std`` starts f
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field
-from statistics import NormalDist
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,11 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from spider_titan.models.common import GrowingTensor
 from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.attention import MLA, KVCache, LoRA, PackedRows, can_fold
 from spider_titan.models.spider.engram import Engram
-from spider_titan.models.spider.segmentation import causal_standardize
 from spider_titan.moe.layer import MoE
 
 # Keys the loop-count generator (with the step), as in seal-rg/recurrent-pretraining: a fixed
@@ -102,13 +96,6 @@ def sample_loops(args: SpiderArgs, step: int) -> int:
     sigma = 0.5
     rate = rng.lognormal(math.log(m) - sigma**2 / 2, sigma)
     return int(min(1 + rng.poisson(rate), args.max_loops))
-
-
-def sample_depth_scale(args: SpiderArgs, step: int) -> float:
-    """Training scale of the depth shares at optimizer step ``step`` (``depth_scale_range`` r > 1):
-    log-uniform in [1/r, r], a pure function of (args, step) drawn on the host like :func:`sample_loops`."""
-    r = args.depth_scale_range
-    return 1.0 if r <= 1 else float(r ** np.random.default_rng([_LOOP_SEED + 1, step]).uniform(-1.0, 1.0))
 
 
 def initial_state(keys: torch.Tensor | None, S: int, dim: int, std: float) -> torch.Tensor | None:
@@ -228,109 +215,6 @@ class CoreBlock(nn.Module):
         self.moe.init_weights(init_std, out_std)
 
 
-def _each(memory: tuple[torch.Tensor | None, ...], fn) -> tuple[torch.Tensor | None, ...]:
-    """``fn`` of each block's Engram memory (None stays None)."""
-    return tuple(None if m is None else fn(m) for m in memory)
-
-
-def causal_quantile(x: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """(B, S) -> (B, S - first): for each of the positions ``first..`` of each row, the share of the
-    row's positions <= it whose value is lower (ties count half, itself included), so position j
-    reads positions <= j only. O(S^2) comparisons per row."""
-    S = x.shape[1]
-    j = torch.arange(first, S, device=x.device)
-    causal = torch.arange(S, device=x.device).unsqueeze(0) <= j.unsqueeze(1)  # (n, S)
-    new = x[:, first:].unsqueeze(2)  # (B, n, 1)
-    below = (x.unsqueeze(1) < new).float() + 0.5 * (x.unsqueeze(1) == new).float()  # (B, n, S)
-    return (below * causal).sum(-1) / (j + 1).to(x.dtype)
-
-
-@dataclass
-class DepthCache:
-    """A decoded row's router state at one loop (decode.py): every segment's raw score so far and
-    the admission state after them (``DepthRouter.choose``)."""
-
-    scores: GrowingTensor = field(default_factory=lambda: GrowingTensor(dim=1))
-    admission: tuple[int, int] = (0, 0)
-
-
-class DepthRouter(nn.Module):
-    """Per-segment depth with a capacity per loop (``depth_capacity``; Mixture-of-Recursions' idea,
-    Bae et al. 2025, made causal).
-
-    Before loop i >= 2 every segment gets a score ``w . rmsnorm(h)`` of the state it holds, and its
-    causal quantile along the row (:func:`causal_quantile`: the share of the row's segments <= it that
-    score lower); it wants the loop when the quantile exceeds ``1 - c_i``, so about a share ``c_i`` want
-    it whatever the scores' distribution (it cannot drift to all or none: a standardised score with a
-    Gaussian threshold did, to half its share over a debug run). It runs the loop if it ran the loop
-    before and is within the cap: of the row's first j + 1 segments at most ``floor(c_i (j + 1)) + BURST``
-    run it (admitted greedily in order). Both rules read segments <= j only, so no output depends on a
-    later byte, and a row holds at most ``floor(c_i S) + BURST`` runners: the loop runs on that many
-    slots per row (the runners first, in order), a static shape. A runner's update is scaled by
-    ``1 + p - p.detach()`` (value 1), ``p = sigmoid(z - Phi^-1(1 - c_i))`` of the causally standardised
-    score: the LM loss trains the router.
-    """
-
-    BURST = 2
-
-    def __init__(self, args: SpiderArgs):
-        super().__init__()
-        self.proj = nn.Linear(args.dim, 1, bias=False)
-        self.shares = list(args.depth_capacity)
-        self.eps = args.norm_eps
-
-    def share(self, loop: int) -> float:
-        """``c`` of loop index ``loop`` (>= 1, 0-based)."""
-        return self.shares[loop - 1]
-
-    @contextlib.contextmanager
-    def scaled(self, scale: float):
-        """Within the block every share is ``min(1, scale * c)``: more segments run the later loops
-        (test-time depth by capacity, scripts/eval_loops.py ``--depth_scale``)."""
-        shares = self.shares
-        self.shares = [min(1.0, scale * c) for c in shares]
-        try:
-            yield
-        finally:
-            self.shares = shares
-
-    def slots(self, S: int, share: float) -> int:
-        """Segment slots per row a loop of ``share`` runs on."""
-        return min(S, math.floor(share * S) + self.BURST)
-
-    def scores(self, h: torch.Tensor) -> torch.Tensor:
-        """Raw scores (B, S) fp32 of the states ``h (B, S, dim)``."""
-        return self.proj(F.rms_norm(h, (h.shape[-1],), eps=self.eps)).squeeze(-1).float()
-
-    def choose(
-        self,
-        scores: torch.Tensor,
-        allowed: torch.Tensor,
-        share: float,
-        first: int = 0,
-        before: tuple[int, int] = (0, 0),
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """(runners (B, n), p (B, n), state) for the segments ``first..`` of the raw ``scores (B, first +
-        n)`` of a row so far; ``allowed``: those of them that ran the loop before. Admission is greedy in
-        order: a wanting segment runs while fewer than ``floor(c (j + 1)) + BURST`` of the row's first j
-        segments run, computed at once as ``A_j = W_j + min(0, min_{k <= j} (cap_k - W_k))`` (runners so
-        far, W the wanting segments so far). ``before`` / ``state`` (per row): (W, the running min) after
-        the row's earlier segments, for decoding one row a few segments at a time."""
-        wanted = (causal_quantile(scores, first) > 1.0 - share) & allowed
-        index = torch.arange(first + 1, scores.shape[1] + 1, device=scores.device, dtype=torch.float64)
-        cap = (torch.floor(share * index) + self.BURST).long()
-        w = torch.cumsum(wanted.long(), dim=1) + before[0]
-        low = torch.cummin(cap - w, dim=1).values.clamp(max=before[1])
-        ran = w + low  # runners so far
-        runners = ran > F.pad(ran[:, :-1], (1, 0), value=before[0] + before[1])
-        threshold = NormalDist().inv_cdf(1.0 - share) if share < 1 else -math.inf
-        p = torch.sigmoid(causal_standardize(scores)[:, first:] - threshold)
-        return runners, p, (w[:, -1], low[:, -1])
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.normal_(self.proj.weight, std=init_std)
-
-
 @dataclass
 class CoreOutput:
     """What the recurrent core hands back to the model.
@@ -340,9 +224,6 @@ class CoreOutput:
     moe_counts:   (E,) fp32 routed slots per expert, summed over blocks and loops (detached)
     loops_run:    loops computed (host int)
     backprop_loops: of those, the loops with a graph (host int; ``loops_run`` outside truncated training)
-    loop_shares:  per loop after the first under ``depth_capacity``: the share of real segments it ran on
-    loop_slots:   the same loops' slots per row (host ints)
-    segment_loops: under ``depth_capacity``, the loops each segment ran (B, S) int64 (None otherwise)
     """
 
     output: torch.Tensor
@@ -350,9 +231,6 @@ class CoreOutput:
     moe_counts: torch.Tensor
     loops_run: int
     backprop_loops: int
-    loop_shares: list[torch.Tensor] = field(default_factory=list)
-    loop_slots: list[int] = field(default_factory=list)
-    segment_loops: torch.Tensor | None = None
 
 
 class RecurrentCore(nn.Module):
@@ -370,7 +248,6 @@ class RecurrentCore(nn.Module):
         # Eval-time gains of the loops past n_loops, set by the end-of-run calibration: a buffer, so it
         # is saved and exported with the weights, replicated (never sharded) and never trained.
         self.register_buffer("extra_loop_gain", torch.empty(args.max_loops))
-        self.depth = DepthRouter(args) if args.depth_capacity else None
 
     def forward(
         self,
@@ -384,16 +261,13 @@ class RecurrentCore(nn.Module):
         init_keys: torch.Tensor | None = None,
         caches: list[list[KVCache]] | None = None,
         packed: PackedRows | None = None,
-        depth_caches: list[DepthCache] | None = None,
     ) -> CoreOutput:
         """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
         under no_grad. ``init_keys`` (B,) int64: with ``loop_init_std`` > 0, the keys of the random
         initial state. ``packed``: the loops run on the real segments only, packed into one row;
-        ``caches`` (incremental decoding, decode.py): one key/value cache per (loop, block), and with
-        ``depth_capacity`` ``depth_caches``, the router's state per loop."""
+        ``caches`` (incremental decoding, decode.py): one key/value cache per (loop, block)."""
         B, S, _ = s.shape
         h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)  # keyed by (row, segment)
-        rows = (freqs, seg_real)  # the routed loops run on (B, S) rows
         if packed is not None:  # (B, S, ...) -> (1, N, ...) once for every loop and block
             s, bucket_ids, seg_real = (packed.pack(t) for t in (s, bucket_ids, seg_real))
             freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2): index in its row
@@ -407,34 +281,9 @@ class RecurrentCore(nn.Module):
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
         h = s.new_zeros(injected.shape) if h0 is None else h0.to(s.dtype)  # the state loop 0 receives
-        ran, shares, slots, segment_loops = None, [], [], None  # depth_capacity: who ran the last loop, ...
         for i in range(n_loops):
             with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
                 loop = torch.full((), i, dtype=torch.int64, device=s.device)
-                if self.depth is not None and i >= 1:
-                    if packed is not None:  # from here on the state and its inputs live in (B, S) rows
-                        h, injected, memory = packed.pad(h), packed.pad(injected), _each(memory, packed.pad)
-                        (freqs, seg_real), packed = rows, None
-                    ran = seg_real if ran is None else ran
-                    h, aux_sum, counts, ran, k = self.routed_loop(
-                        i,
-                        h,
-                        injected,
-                        decay,
-                        loop,
-                        freqs,
-                        memory,
-                        ran,
-                        aux_sum,
-                        counts,
-                        i >= first_grad_loop,
-                        None if caches is None else caches[i],
-                        None if depth_caches is None else depth_caches[i],
-                    )
-                    shares.append(ran.sum() / seg_real.sum().clamp(min=1))
-                    slots.append(k)
-                    segment_loops = ran.long() + (seg_real.long() if segment_loops is None else segment_loops)
-                    continue
                 # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
                 # the segment count as a symbol (run_loop marks the state), so one graph serves every
                 # loop and every batch instead of a recompile per loop index and per new count.
@@ -466,70 +315,7 @@ class RecurrentCore(nn.Module):
             moe_counts=counts,
             loops_run=n_loops,
             backprop_loops=grad_loops,
-            loop_shares=shares,
-            loop_slots=slots,
-            segment_loops=segment_loops,
         )
-
-    def routed_loop(
-        self,
-        i: int,
-        h: torch.Tensor,
-        injected: torch.Tensor,
-        decay: torch.Tensor,
-        loop: torch.Tensor,
-        freqs: torch.Tensor,
-        memory: tuple[torch.Tensor | None, ...],
-        ran: torch.Tensor,
-        aux_sum: torch.Tensor,
-        counts: torch.Tensor,
-        count_aux: bool,
-        caches: list[KVCache] | None = None,
-        state: DepthCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Loop ``i`` >= 1 under ``depth_capacity`` on (B, S) rows (:class:`DepthRouter`): the runners
-        are gathered into ``slots`` per row, in order (attention stays causal, each at its own RoPE
-        position), run, and scattered back. Returns (h, aux_sum, counts, runners, slots).
-        Incremental decoding (``caches`` and ``state``: one row, its new segments ``h (1, n, dim)``):
-        the router reads the row's earlier scores from ``state``, and only the runners' keys and
-        values enter this loop's caches, as only they are this loop's keys in the full forward."""
-        depth = self.depth
-        share = depth.share(i)
-        if state is None:
-            runners, p, _ = depth.choose(depth.scores(h), ran, share)
-            k = depth.slots(h.shape[1], share)
-            idx = torch.sort((~runners).to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (B, k) runners first
-        else:
-            first = state.scores.length
-            scores = state.scores.append(depth.scores(h))
-            runners, p, (wanted, low) = depth.choose(scores, ran, share, first=first, before=state.admission)
-            state.admission = (int(wanted[0]), int(low[0]))
-            idx = runners.nonzero()[:, 1].unsqueeze(0)  # (1, k): the runners only
-            k = idx.shape[1]
-            if k == 0:
-                return h, aux_sum, counts, runners, 0
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-
-        valid = runners.gather(1, idx)
-        before = take(h)
-        out, aux_sum, counts = self.run_loop(
-            before,
-            take(injected),
-            decay,
-            loop,
-            freqs[idx],
-            _each(memory, take),
-            valid,
-            aux_sum,
-            counts,
-            count_aux,
-            caches,
-        )
-        gate = (1.0 + p - p.detach()).gather(1, idx).unsqueeze(-1).to(out.dtype)
-        out = torch.where(valid.unsqueeze(-1), before + gate * (out - before), before)
-        return h.scatter(1, idx.unsqueeze(-1).expand_as(out), out), aux_sum, counts, runners, k
 
     def run_loop(
         self,
@@ -587,10 +373,8 @@ class RecurrentCore(nn.Module):
     @torch.no_grad()
     def inert_loops(self) -> list[bool]:
         """Per loop index, whether its own parameters are at their inert init (every block's LoRA ``B``
-        zero, its loop-embedding row zero, its step size 1; no depth router): all such loops compute the
-        same map of the state. Called alike on every rank (a sharded parameter is gathered)."""
-        if self.depth is not None:
-            return [False] * self.args.max_loops
+        zero, its loop-embedding row zero, its step size 1): all such loops compute the same map of the
+        state. Called alike on every rank (a sharded parameter is gathered)."""
         per_loop = [p for b in self._blocks() if b.lora is not None for p in (b.lora.wq_b, b.lora.wo_b)]
         if self.loop_embedding is not None:
             per_loop.append(self.loop_embedding.weight)
@@ -617,5 +401,3 @@ class RecurrentCore(nn.Module):
         if self.loop_step is not None:
             nn.init.zeros_(self.loop_step)
         nn.init.ones_(self.extra_loop_gain)
-        if self.depth is not None:
-            self.depth.init_weights(init_std)
