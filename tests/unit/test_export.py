@@ -528,9 +528,9 @@ def test_an_export_older_than_the_added_args_loads_as_the_model_it_is(tmp_path):
     with torch.no_grad():
         assert torch.equal(old(x).logits, model(x).logits)
 
-    config["model"]["args"]["backprop_loops"] = 1  # a saved value wins over the table's
+    config["model"]["args"]["segment_bucket"] = 8  # a saved value wins over the table's
     file.write_text(json.dumps(config))
-    assert load_model(out)[0].args.backprop_loops == 1
+    assert load_model(out)[0].args.segment_bucket == 8
     del config["model"]["args"]["n_core"]
     file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="missing 'n_core'"):

@@ -38,6 +38,11 @@ SAVED_BEFORE = {
     "pack_segments": True,
     "depth_capacity": [],
     "depth_scale_range": 1.0,
+    "loop_sampling": "fixed",
+    "loop_tail": 0.1,
+    "backprop_loops": 0,
+    "loop_init_std": 0.0,
+    "loop_step_size": False,
 }
 
 

@@ -540,16 +540,6 @@ def test_bad_args_and_inputs_raise():
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
-def test_keyed_noise_depends_on_the_sample_not_its_row():
-    """keyed_uniform: a pure function of (key, position), the same key the same draws, uniform moments."""
-    from spider_titan.models.spider.recurrence import keyed_uniform
-
-    u = keyed_uniform(torch.tensor([3, 3, 4]), 4096)
-    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
-    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005  # uniform moments
-
-
 # ----------------------------------------------------------- one boundary rule, pooling, objectives
 
 
@@ -767,14 +757,3 @@ def test_segment_bucket_rounds_up_and_stops_at_the_sequence_length():
         n = base.num_segments
         assert torch.equal(seg.seg_real[:, :n], base.seg_real) and not seg.seg_valid[:, n:].any()
         assert torch.equal(seg.ends[:, :n], base.ends)
-
-
-def test_the_initial_state_of_a_sample_does_not_depend_on_its_batch():
-    """loop_init_std: segment s of a sample starts from the same noise whatever the batch's largest
-    segment count S (a draw laid out by S made a row's logits depend on the other rows)."""
-    from spider_titan.models.spider.recurrence import initial_state
-
-    keys = torch.tensor([7, 11])
-    small, large = initial_state(keys, 5, 16, 0.5), initial_state(keys, 9, 16, 0.5)
-    assert torch.equal(small, large[:, :5])
-    assert not torch.equal(large[0], large[1])  # keyed by the sample

@@ -94,7 +94,6 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (1, 192, {}, 1e3),
         (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
         (2, 256, {"chunk_convention": "mean"}, None),
-        (1, 256, {"n_loops": 4, "backprop_loops": 1}, None),
         (2, 256, {"boundary_dim": 0}, None),
         (2, 256, {"byte_ngram_orders": [2, 3, 4]}, None),
     ],
@@ -105,7 +104,6 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "forced_only",
         "fixed_no_lora_no_engram",
         "mean_convention",
-        "truncated",
         "full_width_predictor",
         "byte_ngrams",  # table lookups: no FLOPs in either count
     ],

@@ -72,22 +72,10 @@ class SpiderArgs:
     """Most loops the model supports (loop embeddings, LoRA adapters and eval gains exist for each)."""
     lora_rank: int = ranged(4, low=1)
     """Rank of the per-loop LoRA adapters on the core blocks' ``wq`` and ``wo``."""
-    loop_sampling: Literal["fixed", "poisson_lognormal", "tail"] = "fixed"
-    """Core loops per training step: ``fixed`` (``n_loops``), ``poisson_lognormal`` (1 + Poisson of a
-    log-normal rate, mean ``n_loops``) or ``tail`` (a share ``loop_tail`` of steps deep, some at one loop,
-    mean ``n_loops``); drawn on the host from the step, the same on every rank."""
-    loop_tail: float = ranged(0.1, low=0, low_open=True)
-    """``loop_sampling = "tail"``: the share of training steps run at ``min(2 * n_loops, max_loops)`` loops."""
-    backprop_loops: int = ranged(0, low=0)
-    """Truncated backprop: in training only the last ``backprop_loops`` loops keep a graph (0: every loop)."""
-    loop_init_std: float = ranged(0.0, low=0)
-    """Training only: the core starts from ``N(0, loop_init_std^2)`` noise keyed by the sample instead of 0."""
     loop_lora: bool = True
     """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their weights exactly)."""
     loop_embedding: bool = True
     """A learned vector added to the state at the start of each loop (false: none)."""
-    loop_step_size: bool = False
-    """A learned step size per loop: loop i hands on ``h + g_i (F_i(h) - h)``, ``g_i`` starting at 1."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = ranged(4.0, low=1, low_open=True)
@@ -174,25 +162,7 @@ class SpiderArgs:
             )
         if self.packed_capacity and not self.segment_capacity:
             out.append("packed_capacity: packs the slots of segment_capacity, which is 0 (set both, or neither)")
-        if self.loop_sampling == "tail":
-            deep, p_deep, p_one = self.tail_shares()
-            if self.n_loops < 2 or deep <= self.n_loops:
-                out.append(
-                    f"loop_sampling: 'tail' needs n_loops >= 2 and max_loops > n_loops (n_loops {self.n_loops}, "
-                    f"max_loops {self.max_loops}): it trains some steps at one loop and some at min(2 * n_loops, max_loops)"
-                )
-            elif not p_deep + p_one <= 1.0:
-                top = (self.n_loops - 1) / (deep - 1)
-                out.append(
-                    f"loop_tail: {self.loop_tail} must be in (0, {top:.4g}] (the deep and one-loop shares sum to at most 1)"
-                )
         return out
-
-    def tail_shares(self) -> tuple[int, float, float]:
-        """``loop_sampling = "tail"``: (deep count, share of steps at it, share at one loop), the shares
-        such that the mean count is ``n_loops`` (needs n_loops >= 2; ``validate`` says so)."""
-        deep = min(2 * self.n_loops, self.max_loops)
-        return deep, self.loop_tail, self.loop_tail * (deep - self.n_loops) / max(self.n_loops - 1, 1)
 
 
 # Fields added after checkpoint/export format 1 was fixed, each with the value that rebuilds a model
@@ -201,12 +171,7 @@ class SpiderArgs:
 SPIDER_ADDED_ARGS: dict[str, object] = {
     "segment_bucket": 0,
     "chunk_convention": "mean",
-    "loop_sampling": "fixed",
-    "backprop_loops": 0,
-    "loop_init_std": 0.0,
     "loop_embedding": True,
-    "loop_tail": 0.1,
-    "loop_step_size": False,
     "boundary_band": 0.0,
     "boundary_band_upper": 1.0,
     "boundary_dim": 0,
@@ -244,6 +209,12 @@ SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
     # per-segment depth (a router choosing which segments run each loop after the first)
     "depth_capacity": ([], _RELEASE),
     "depth_scale_range": (None, _RELEASE),  # it scaled depth_capacity's shares, and did nothing without them
+    # the loop-count studies: sampled counts, truncated backprop, a random initial state, learned step sizes
+    "loop_sampling": ("fixed", _RELEASE),
+    "loop_tail": (None, _RELEASE),  # the deep share of loop_sampling = "tail"
+    "backprop_loops": (0, _RELEASE),
+    "loop_init_std": (0.0, _RELEASE),
+    "loop_step_size": (False, _RELEASE),
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

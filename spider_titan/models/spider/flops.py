@@ -8,8 +8,7 @@ T*(T+1)/2 ~ T^2/2 unmasked pairs, what a causal flash kernel computes), the same
 SDPA over the full T^2, and not at all for CPU flash attention; the test adds SDPA by this
 formula.) The segment pooling is a scatter/gather, no matmul, so it is not counted.
 
-The core runs on segments, so its cost per byte scales with ``n_loops / bytes_per_segment``
-(under truncated backprop, loops before the last ``backprop_loops`` cost their forward only);
+The core runs on segments, so its cost per byte scales with ``n_loops / bytes_per_segment``;
 both are inputs (defaults: the args' ``n_loops`` and ``target_bytes_per_segment``, a planning
 estimate). The honest number for a step is ``aux["flops_per_byte"]`` of its training forward,
 computed with ``n_loops = loops_run``, ``row_segments = S`` (the batch's largest segment count: the
@@ -28,13 +27,10 @@ def spider_flops_breakdown(
     seq_len: int,
     n_loops: float | None = None,
     bytes_per_segment: float | None = None,
-    backprop_loops: float | None = None,
     row_segments: float | None = None,
     lora_rows: float = 0.0,
 ) -> dict[str, float]:
     """Training FLOPs per byte by part (keys below); their sum is ``spider_flops_per_byte``.
-    ``backprop_loops``: the loops that also run backward (default: the args' ``backprop_loops``,
-    0 meaning every loop); the others cost their forward only (truncated backprop).
     ``row_segments``: segment slots per row of the (B, S) layout (default ``seq_len /
     bytes_per_segment``, no padding); ``bytes_per_segment`` then sets the per-segment work only.
     ``lora_rows``: the rows of a micro-batch whose loops fold their LoRA into the weights, once per
@@ -42,8 +38,6 @@ def spider_flops_breakdown(
     0: the adapters run on every segment (decoding, float8 linears; an upper bound for planning)."""
     a = args
     loops = a.n_loops if n_loops is None else n_loops
-    k = a.backprop_loops if backprop_loops is None else backprop_loops
-    grad_loops = loops if k <= 0 else min(k, loops)
     bps = a.target_bytes_per_segment if bytes_per_segment is None else bytes_per_segment
     T = float(seq_len)
     S = T / bps if row_segments is None else float(row_segments)  # segment slots per row
@@ -102,10 +96,10 @@ def spider_flops_breakdown(
         "lm_head": mm(d, VOCAB_SIZE),
     }
     out = {k: 3.0 * v for k, v in fwd.items()}
-    # The core's loops: forward (1x) for every loop, backward (2x) for the loops with a graph.
-    out.update({k: v * (loops + 2.0 * grad_loops) for k, v in per_loop.items()})
+    # The core's loops: forward (1x) and backward (2x) for every loop.
+    out.update({k: v * (loops + 2.0 * loops) for k, v in per_loop.items()})
     if lora_rows:  # a folding loop's backward makes three fold-sized products (the fold again, dA, dB), not two
-        out["core_lora"] += a.n_core * a.loop_lora * lora_folded * grad_loops
+        out["core_lora"] += a.n_core * a.loop_lora * lora_folded * loops
     return out
 
 
@@ -114,13 +108,8 @@ def spider_flops_per_byte(
     seq_len: int,
     n_loops: float | None = None,
     bytes_per_segment: float | None = None,
-    backprop_loops: float | None = None,
     row_segments: float | None = None,
     lora_rows: float = 0.0,
 ) -> float:
     """Training (fwd + bwd) FLOPs per input byte; also Spider's ``ModelSpec.flops_per_token``."""
-    return sum(
-        spider_flops_breakdown(
-            args, seq_len, n_loops, bytes_per_segment, backprop_loops, row_segments, lora_rows
-        ).values()
-    )
+    return sum(spider_flops_breakdown(args, seq_len, n_loops, bytes_per_segment, row_segments, lora_rows).values())

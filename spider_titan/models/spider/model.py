@@ -41,7 +41,7 @@ from spider_titan.models.spider.args import SPIDER_ADDED_ARGS, SPIDER_FLAVORS, S
 from spider_titan.models.spider.attention import MLA, PackedRows
 from spider_titan.models.spider.calibration import calibrate_extra_loops, effective_loops
 from spider_titan.models.spider.flops import spider_flops_per_byte
-from spider_titan.models.spider.recurrence import RecurrentCore, sample_loops
+from spider_titan.models.spider.recurrence import RecurrentCore
 from spider_titan.models.spider.segmentation import BoundaryPredictor, Chunker
 from spider_titan.protocol import FLOPS_PER_BYTE, HFModules, ModelOutput, ModelSpec, lm_loss_mean
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
@@ -135,18 +135,13 @@ class Spider(nn.Module):
         labels: torch.Tensor | None = None,
         n_loops: int | None = None,
         sample_ids: torch.Tensor | None = None,
-        step: int | None = None,
     ) -> SpiderOutput:
-        """``sample_ids`` (B,) int64, optional: keys of the training noise, one per row (the trainer
-        passes each sample's global index), the same whichever rank or micro-batch a sample lands in.
-        ``step`` (host int, optional): the optimizer step, which keys the sampled training loop count
-        (``loop_sampling``); without it, or with ``n_loops`` given, training runs ``n_loops``."""
+        """``n_loops``: the core loops to run (default: the trained ``n_loops``; up to ``max_loops`` at eval).
+        ``sample_ids`` is part of the model contract (protocol.py: keys for training noise); Spider draws none."""
         a = self.args
         B, T = input_ids.shape
         if T > a.max_seq_len:
             raise ValueError(f"sequence length {T} > max_seq_len {a.max_seq_len}; raise model.max_seq_len")
-        if n_loops is None and self.training and step is not None and a.loop_sampling != "fixed":
-            n_loops = sample_loops(a, step)
         n_loops = a.n_loops if n_loops is None else int(n_loops)
         if not 1 <= n_loops <= a.max_loops:
             raise ValueError(f"n_loops: {n_loops} must be in [1, max_loops={a.max_loops}]")
@@ -179,8 +174,6 @@ class Spider(nn.Module):
                 freqs=freqs[:S],
                 bucket_ids=bucket_ids,
                 seg_real=seg.seg_real,
-                backprop_loops=a.backprop_loops if self.training else 0,
-                init_keys=sample_ids if self.training else None,
                 packed=packed,
             )
         with record_function("spider.dechunk_head"):
@@ -219,7 +212,6 @@ class Spider(nn.Module):
                     bytes_per_segment=(B * T / pack_size if pack_size else T / S)
                     if capacity
                     else B * T / seg.total_segments,
-                    backprop_loops=core.backprop_loops,
                     row_segments=S if capacity else seg.max_row_segments,
                     lora_rows=B if self.core.folds_lora() else 0,
                 ),
@@ -228,8 +220,6 @@ class Spider(nn.Module):
         }
         if capacity:  # the share of the batch's segments past the capacity
             aux["segments_dropped"] = dropped / seg.row_segments.sum()
-        if self.core.loop_step is not None:  # loop_step_size: how far each loop moves the state
-            aux.update({f"loop_step_{i + 1}": g.detach() for i, g in enumerate(self.core.step_sizes().unbind())})
         loss = None
         if labels is not None:  # the LM loss mean over the labels, plus aux_loss (the trainer normalises its own)
             lm_loss = lm_loss_mean(logits, labels.masked_fill(labels == PAD_ID, IGNORE_INDEX))
@@ -281,8 +271,6 @@ def spider_graph_blockers(a: SpiderArgs) -> list[str]:
     reasons = []
     if a.segment_capacity <= 0:
         reasons.append("model.segment_capacity > 0 (static shapes: without it the forward reads the segment count)")
-    if a.loop_sampling != "fixed":
-        reasons.append(f"model.loop_sampling 'fixed' (it is {a.loop_sampling!r}: the loop count is drawn per step)")
     return reasons
 
 
@@ -295,7 +283,6 @@ SPIDER_SPEC = ModelSpec(
     flops_per_token=spider_flops_per_byte,
     recurrent_containers=("core.layers",),
     eval_variants=spider_eval_variants,
-    train_inputs=("sample_ids", "step"),  # the initial-state noise keyed by global sample index, loop count by step
     moe_tokens_per_byte=spider_moe_tokens_per_byte,
     added_args=SPIDER_ADDED_ARGS,
     retired_args=SPIDER_RETIRED_ARGS,

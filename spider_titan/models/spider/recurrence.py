@@ -1,7 +1,7 @@
 """The recurrent core: weight-shared MoE blocks looped over the segments.
 
-References: Geiping et al. 2025 (arXiv 2502.05171: input injection every loop, sampled depth,
-truncated backprop, a random initial state); Bae et al. 2024 (arXiv 2410.20672: per-loop LoRA).
+References: Geiping et al. 2025 (arXiv 2502.05171: input injection every loop); Bae et al. 2024
+(arXiv 2410.20672: per-loop LoRA).
 
 Loop i of ``n_loops`` on the chunk vectors ``s (B, S, dim)``, starting from ``h_0 = 0``:
 
@@ -14,23 +14,18 @@ Loop i of ``n_loops`` on the chunk vectors ``s (B, S, dim)``, starting from ``h_
    token mask.
    The loops run on the batch's real segments only, packed once into one row (attention.PackedRows:
    the attention lays them out as (B, S) rows again), and the output is laid out as rows at the end.
-4. With ``loop_step_size`` the loop hands on ``h_in + g_i (h - h_in)`` (``h_in`` the state it received).
-   At eval a loop past ``n_loops`` hands on ``h_in + gain_i (h - h_in)`` with the buffer
+4. At eval a loop past ``n_loops`` hands on ``h_in + gain_i (h - h_in)`` (``h_in`` the state it
+   received) with the buffer
    ``extra_loop_gain`` (ones until the end-of-run calibration fits it, calibration.py): gain 0 hands on
    ``h_in`` bit for bit, so evaluating deeper than trained is never worse than the trained depth.
-5. The core output is ``norm(h)`` after the last loop; every segment runs every loop.
-
-Training: ``loop_sampling`` draws the step's loop count on the host (:func:`sample_loops`, the same on
-every rank); ``backprop_loops = k`` runs the loops before the last k under no_grad (the MoE balancing
-loss is then the mean over the k loops with a graph); ``loop_init_std`` starts from keyed noise.
+5. The core output is ``norm(h)`` after the last loop; every segment runs every loop, and training
+   runs ``n_loops`` loops with a graph through all of them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,73 +35,6 @@ from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.attention import MLA, KVCache, LoRA, PackedRows, can_fold
 from spider_titan.models.spider.engram import Engram
 from spider_titan.moe.layer import MoE
-
-# Keys the loop-count generator (with the step), as in seal-rg/recurrent-pretraining: a fixed
-# offset so step 0 is not seed 0.
-_LOOP_SEED = 514229
-# loop_step_size: g = 1 + LOOP_STEP_SCALE * loop_step, so AdamW moves a step size ten times as fast
-# as a weight (at lr 3e-3, the 80 deep steps of an 800-step debug run can take g from 1 to 0).
-LOOP_STEP_SCALE = 10.0
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 torch stores."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def keyed_uniform(keys: torch.Tensor, T: int) -> torch.Tensor:
-    """(B,) int64 keys -> (B, T) fp32 uniforms in (0, 1), a pure function of (key, position).
-
-    splitmix64 of ``key * 2^20 + t`` in wrapping int64 arithmetic (the same bits on CPU and GPU),
-    keeping the top 24 bits so the float is exact. Keyed by a sample's global index, a sample
-    gets the same noise whatever rank, micro-batch or row it lands in.
-    """
-    t = torch.arange(T, device=keys.device, dtype=torch.int64)
-    z = keys.to(torch.int64).unsqueeze(1) * (1 << 20) + t + _i64(0x9E3779B97F4A7C15)  # (B, T)
-    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
-    z = z ^ _shr(z, 31)
-    return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def sample_loops(args: SpiderArgs, step: int) -> int:
-    """Training loop count of optimizer step ``step``; ``loop_sampling = "tail"``: see its field.
-    ``"poisson_lognormal"``: ``1 + Poisson(r)``, ``r ~ LogNormal(log(m) - sigma^2 / 2, sigma)`` with ``m = n_loops - 1`` and
-    sigma 1/2 (so E[r] = m and the mean count is ``n_loops``), capped at ``max_loops`` (loop
-    embeddings and LoRA adapters exist up to there). A pure function of (args, step), drawn on the
-    host: every rank and micro-batch of a step gets the same count with no collective and no sync.
-    Geiping et al. draw ``1 + Poisson(r)`` with E[r] = the mean, i.e. one loop more on average;
-    here the mean is the configured ``n_loops`` so FLOPs budgets stay comparable with fixed depth."""
-    m = args.n_loops - 1
-    if m <= 0:
-        return 1
-    rng = np.random.default_rng([_LOOP_SEED, step])
-    if args.loop_sampling == "tail":  # {1, n_loops, deep} with mean n_loops (args.tail_shares)
-        deep, p_deep, p_one = args.tail_shares()
-        u = rng.random()
-        return deep if u < p_deep else 1 if u < p_deep + p_one else args.n_loops
-    sigma = 0.5
-    rate = rng.lognormal(math.log(m) - sigma**2 / 2, sigma)
-    return int(min(1 + rng.poisson(rate), args.max_loops))
-
-
-def initial_state(keys: torch.Tensor | None, S: int, dim: int, std: float) -> torch.Tensor | None:
-    """The random initial state ``h_0`` (B, S, dim) fp32, ``N(0, std^2)`` by Box-Muller from
-    ``keyed_uniform``: a pure function of (sample key, segment, channel), so a sample starts from
-    the same state on any rank or row. None (h_0 = 0) without keys or with std 0."""
-    if keys is None or std <= 0:
-        return None
-    # position s * 2 * dim + j * dim + c: segment s's draws do not depend on S (the batch's largest count)
-    u = keyed_uniform(keys, 2 * S * dim).view(-1, S, 2, dim)  # (B, S, 2, dim) in (0, 1)
-    return std * torch.sqrt(-2.0 * torch.log(u[:, :, 0])) * torch.cos(2.0 * math.pi * u[:, :, 1])
 
 
 def _at(weights: torch.Tensor, loop: torch.Tensor) -> torch.Tensor:
@@ -220,17 +148,15 @@ class CoreOutput:
     """What the recurrent core hands back to the model.
 
     output:       (B, S, dim) ``norm(h)`` after the last loop (model dtype; zeros at padding segments)
-    moe_aux_loss: scalar fp32, mean over the (block, loop) calls with a graph of E * sum f_i P_i
+    moe_aux_loss: scalar fp32, mean over the (block, loop) calls of E * sum f_i P_i
     moe_counts:   (E,) fp32 routed slots per expert, summed over blocks and loops (detached)
     loops_run:    loops computed (host int)
-    backprop_loops: of those, the loops with a graph (host int; ``loops_run`` outside truncated training)
     """
 
     output: torch.Tensor
     moe_aux_loss: torch.Tensor
     moe_counts: torch.Tensor
     loops_run: int
-    backprop_loops: int
 
 
 class RecurrentCore(nn.Module):
@@ -244,7 +170,6 @@ class RecurrentCore(nn.Module):
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
         self.loop_embedding = nn.Embedding(args.max_loops, args.dim) if args.loop_embedding else None
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.loop_step = nn.Parameter(torch.empty(args.max_loops)) if args.loop_step_size else None
         # Eval-time gains of the loops past n_loops, set by the end-of-run calibration: a buffer, so it
         # is saved and exported with the weights, replicated (never sharded) and never trained.
         self.register_buffer("extra_loop_gain", torch.empty(args.max_loops))
@@ -257,64 +182,52 @@ class RecurrentCore(nn.Module):
         freqs: torch.Tensor,
         bucket_ids: torch.Tensor,
         seg_real: torch.Tensor,
-        backprop_loops: int = 0,
-        init_keys: torch.Tensor | None = None,
         caches: list[list[KVCache]] | None = None,
         packed: PackedRows | None = None,
     ) -> CoreOutput:
-        """``backprop_loops`` k > 0 (applied only while autograd records): loops before the last k run
-        under no_grad. ``init_keys`` (B,) int64: with ``loop_init_std`` > 0, the keys of the random
-        initial state. ``packed``: the loops run on the real segments only, packed into one row;
-        ``caches`` (incremental decoding, decode.py): one key/value cache per (loop, block)."""
+        """``packed``: the loops run on the real segments only, packed into one row; ``caches``
+        (incremental decoding, decode.py): one key/value cache per (loop, block)."""
         B, S, _ = s.shape
-        h0 = initial_state(init_keys, S, self.args.dim, self.args.loop_init_std)  # keyed by (row, segment)
         if packed is not None:  # (B, S, ...) -> (1, N, ...) once for every loop and block
             s, bucket_ids, seg_real = (packed.pack(t) for t in (s, bucket_ids, seg_real))
             freqs = freqs.index_select(0, packed.index % S).unsqueeze(0)  # (1, N, rope/2, 2): index in its row
-            h0 = None if h0 is None else packed.pack(h0)
-        truncate = backprop_loops > 0 and torch.is_grad_enabled()
-        first_grad_loop = max(n_loops - backprop_loops, 0) if truncate else 0
         injected = self.inject(s)  # (B, S, dim), the same every loop
         memory = self.engram_memory(bucket_ids, s.dtype)  # per block, the same every loop
         decay = torch.exp(-F.softplus(self.decay_lambda.float())).to(s.dtype)  # (dim,) in (0, 1)
 
         aux_sum = s.new_zeros((), dtype=torch.float32)
         counts = s.new_zeros(self.args.n_experts, dtype=torch.float32)
-        h = s.new_zeros(injected.shape) if h0 is None else h0.to(s.dtype)  # the state loop 0 receives
+        h = s.new_zeros(injected.shape)  # the state loop 0 receives
         for i in range(n_loops):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and i >= first_grad_loop):
-                loop = torch.full((), i, dtype=torch.int64, device=s.device)
-                # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
-                # the segment count as a symbol (run_loop marks the state), so one graph serves every
-                # loop and every batch instead of a recompile per loop index and per new count.
-                for t, dim in ((freqs, freqs.dim() - 3), (seg_real, 1), *((m, 1) for m in memory if m is not None)):
-                    torch._dynamo.maybe_mark_dynamic(t, dim)
-                if packed is not None:
-                    torch._dynamo.maybe_mark_dynamic(packed.index, 0)
-                    torch._dynamo.maybe_mark_dynamic(packed.position, 0)
-                    torch._dynamo.maybe_mark_dynamic(packed.valid, 1)
-                h, aux_sum, counts = self.run_loop(
-                    h,
-                    injected,
-                    decay,
-                    loop,
-                    freqs,
-                    memory,
-                    seg_real,
-                    aux_sum,
-                    counts,
-                    i >= first_grad_loop,
-                    caches[i] if caches is not None else None,
-                    packed,
-                )
+            loop = torch.full((), i, dtype=torch.int64, device=s.device)
+            # For torch.compile'd blocks (no-ops otherwise): the loop index goes in as a tensor and
+            # the segment count as a symbol (run_loop marks the state), so one graph serves every
+            # loop and every batch instead of a recompile per loop index and per new count.
+            for t, dim in ((freqs, freqs.dim() - 3), (seg_real, 1), *((m, 1) for m in memory if m is not None)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+            if packed is not None:
+                torch._dynamo.maybe_mark_dynamic(packed.index, 0)
+                torch._dynamo.maybe_mark_dynamic(packed.position, 0)
+                torch._dynamo.maybe_mark_dynamic(packed.valid, 1)
+            h, aux_sum, counts = self.run_loop(
+                h,
+                injected,
+                decay,
+                loop,
+                freqs,
+                memory,
+                seg_real,
+                aux_sum,
+                counts,
+                caches[i] if caches is not None else None,
+                packed,
+            )
 
-        grad_loops = n_loops - min(first_grad_loop, n_loops)
         return CoreOutput(
             output=self.norm(h) if packed is None else packed.pad(self.norm(h)),  # the output as (B, S) rows again
-            moe_aux_loss=aux_sum / (max(grad_loops, 1) * len(self.layers)),
+            moe_aux_loss=aux_sum / (max(n_loops, 1) * len(self.layers)),
             moe_counts=counts,
             loops_run=n_loops,
-            backprop_loops=grad_loops,
         )
 
     def run_loop(
@@ -328,14 +241,12 @@ class RecurrentCore(nn.Module):
         seg_real: torch.Tensor,
         aux_sum: torch.Tensor,
         counts: torch.Tensor,
-        count_aux: bool,
         caches: list[KVCache] | None = None,
         packed: PackedRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One loop (module docstring, items 1-4) on the state ``before`` it receives (zeros before the
         first), the loop index a 0-dim tensor, so every loop runs the same code. Returns (the state it
-        hands on, ``aux_sum`` plus its blocks' balancing losses when ``count_aux``, ``counts`` plus their
-        routed slots)."""
+        hands on, ``aux_sum`` plus its blocks' balancing losses, ``counts`` plus their routed slots)."""
         h = decay * before + injected
         if self.loop_embedding is not None:
             h = h + _at(self.loop_embedding.weight, loop).to(h.dtype)
@@ -345,11 +256,8 @@ class RecurrentCore(nn.Module):
                 h, aux, cnt = block(h, loop, freqs, memory[j], seg_real, packed=packed)
             else:  # incremental decoding (decode.py): this loop's keys and values of block j
                 h, aux, cnt = block(h, loop, freqs, memory[j], seg_real, caches[j])
-            if count_aux:  # the balancing loss over the loops that carry a graph
-                aux_sum = aux_sum + aux
+            aux_sum = aux_sum + aux
             counts = counts + cnt
-        if self.loop_step is not None:  # h_in + g_i (F_i(h_in) - h_in)
-            h = before + _at(self.step_sizes(), loop).to(h.dtype) * (h - before)
         if not self.training:  # test-time depth: a loop past n_loops moves the state by its gain
             gain = _at(self.extra_loop_gain, loop).to(h.dtype)
             h = torch.where(loop >= self.args.n_loops, before + gain * (h - before), h)
@@ -373,22 +281,15 @@ class RecurrentCore(nn.Module):
     @torch.no_grad()
     def inert_loops(self) -> list[bool]:
         """Per loop index, whether its own parameters are at their inert init (every block's LoRA ``B``
-        zero, its loop-embedding row zero, its step size 1): all such loops compute the same map of the
-        state. Called alike on every rank (a sharded parameter is gathered)."""
+        zero, its loop-embedding row zero): all such loops compute the same map of the state. Called alike on every rank (a sharded parameter is gathered)."""
         per_loop = [p for b in self._blocks() if b.lora is not None for p in (b.lora.wq_b, b.lora.wo_b)]
         if self.loop_embedding is not None:
             per_loop.append(self.loop_embedding.weight)
-        if self.loop_step is not None:
-            per_loop.append(self.loop_step)
         inert = torch.ones(self.args.max_loops, dtype=torch.bool)
         for p in per_loop:
             full = p.full_tensor() if isinstance(p, DTensor) else p
             inert &= (full.reshape(self.args.max_loops, -1) == 0).all(dim=1).cpu()
         return inert.tolist()
-
-    def step_sizes(self) -> torch.Tensor:
-        """``g`` (max_loops,) of ``loop_step_size``: ``1 + LOOP_STEP_SCALE * loop_step``."""
-        return 1.0 + LOOP_STEP_SCALE * self.loop_step.float()
 
     def init_weights(self, init_std: float, out_std: float) -> None:
         for block in self.layers:
@@ -398,6 +299,4 @@ class RecurrentCore(nn.Module):
         if self.loop_embedding is not None:
             nn.init.zeros_(self.loop_embedding.weight)
         self.norm.reset_parameters()
-        if self.loop_step is not None:
-            nn.init.zeros_(self.loop_step)
         nn.init.ones_(self.extra_loop_gain)
