@@ -43,6 +43,10 @@ SAVED_BEFORE = {
     "backprop_loops": 0,
     "loop_init_std": 0.0,
     "loop_step_size": False,
+    "loop_lora": True,
+    "loop_embedding": True,
+    "boundary_band": 0.2,
+    "boundary_band_upper": 0.3,
 }
 
 

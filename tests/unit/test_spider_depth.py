@@ -31,8 +31,7 @@ def reference_core(core, s, freqs, bucket_ids, seg_real, n_loops: int) -> tuple[
     h, aux = None, []
     for i in range(n_loops):
         h = injected if i == 0 else decay * h + injected
-        if core.loop_embedding is not None:
-            h = h + core.loop_embedding.weight[i]
+        h = h + core.loop_embedding.weight[i]
         loop = torch.tensor(i)
         memory = core.engram_memory(bucket_ids, s.dtype)  # again every loop, as the core computed it once did
         for block, block_memory in zip(core.layers, memory, strict=True):
@@ -78,22 +77,3 @@ def test_the_core_equals_a_hand_written_reference():
             block.lora.wq_b[2] = block.lora.wq_b[1]
         swapped = core(s, n_loops=3, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real).output
     assert not torch.allclose(swapped, want_out, atol=1e-4)
-
-
-def test_time_invariant_loops_iterate_one_map():
-    """loop_embedding = false with loop_lora = false: no loop-specific parameter exists and the core
-    at 5 loops is the hand reference without loop embeddings (the same map each loop); with a
-    (non-zero) loop embedding it differs (negative control)."""
-    model = build(n_loops=2, max_loops=5, loop_embedding=False, loop_lora=False).eval()
-    assert not [n for n, _ in model.named_parameters() if "loop_embedding" in n or "lora" in n]
-    core = model.core
-    s, freqs, bucket_ids, seg_real, _ = core_inputs(model)
-    with torch.no_grad():
-        out = core(s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real)
-        want, _ = reference_core(core, s, freqs, bucket_ids, seg_real, 5)
-        torch.testing.assert_close(out.output, want, rtol=1e-5, atol=1e-6)
-        other = build(n_loops=2, max_loops=5, loop_lora=False).eval()
-        other.load_state_dict(model.state_dict(), strict=False)
-        torch.nn.init.normal_(other.core.loop_embedding.weight, std=0.1)
-        control = other.core(s, n_loops=5, freqs=freqs, bucket_ids=bucket_ids, seg_real=seg_real)
-    assert not torch.allclose(control.output, want, atol=1e-3)

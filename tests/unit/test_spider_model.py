@@ -531,10 +531,10 @@ def test_bad_args_and_inputs_raise():
 
     assert model_args_problems(SPIDER_SPEC, DEBUG) == []
     assert any("n_loops" in p for p in model_args_problems(SPIDER_SPEC, dataclasses.replace(DEBUG, n_loops=9)))
-    bad = model_args_problems(SPIDER_SPEC, dataclasses.replace(DEBUG, engram_layers=[5], dim=0, boundary_band=1.5))
+    bad = model_args_problems(SPIDER_SPEC, dataclasses.replace(DEBUG, engram_layers=[5], dim=0, boundary_coeff=-1.0))
     assert any(p.startswith("model.engram_layers") for p in bad), bad
     assert any(p.startswith("model.dim = 0 is not allowed") for p in bad), bad
-    assert any(p.startswith("model.boundary_band = 1.5 is not allowed") for p in bad), bad
+    assert any(p.startswith("model.boundary_coeff = -1.0 is not allowed") for p in bad), bad
     model = build(max_seq_len=32)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 33, dtype=torch.long))
@@ -618,7 +618,7 @@ def test_ratio_loss():
 
 
 def test_boundary_band_dead_zone():
-    """boundary_band: a row inside target * (1 +- band) gets value 1 and no gradient; a row outside gets
+    """The ratio loss's band: a row inside target * (1 +- band) gets value 1 and no gradient; a row outside gets
     the ratio loss aimed at the band's nearest edge (compared with the plain loss at that target), so
     it is pulled back towards the band."""
     T = 480
@@ -646,24 +646,23 @@ def test_boundary_band_dead_zone():
         torch.testing.assert_close(loss, ref)
         torch.testing.assert_close(grad, ref_grad)
         assert (grad.sum() > 0) == (every == 2)  # descending lowers p when segments are too short
-    # boundary_band_upper: a row above the band (8 bytes) weighted by it, a row below (2 bytes) not
+    # the upper weight: a row above the band (8 bytes) weighted by it, a row below (2 bytes) not
     for every, factor in ((8, 0.3), (2, 1.0)):
         loss, grad = loss_and_grad(every, 4.0, 0.25, upper=0.3)
         band_loss, band_grad = loss_and_grad(every, 4.0, 0.25)
         torch.testing.assert_close(loss, factor * band_loss)
         torch.testing.assert_close(grad, factor * band_grad)
-    args = dataclasses.replace(DEBUG, boundary_band=0.2)
-    assert args.validate() == []
-    from spider_titan.config.validate import model_args_problems
-    from spider_titan.models.spider.model import SPIDER_SPEC
+    # the model's own loss is this one at RATIO_BAND / RATIO_BAND_UPPER, and a target whose band reaches
+    # down to one byte per segment is refused in one line
+    from spider_titan.models.spider.args import RATIO_BAND, RATIO_BAND_UPPER
 
-    def problems(**changes) -> list[str]:
-        return model_args_problems(SPIDER_SPEC, dataclasses.replace(DEBUG, **changes))
-
-    assert any("in [0, 1)" in p for p in problems(boundary_band=1.0))
-    assert any("lower edge" in p for p in problems(boundary_band=0.8))
-    assert problems(boundary_band_upper=0.3) == []
-    assert any(">= 0" in p for p in problems(boundary_band_upper=-1.0))
+    model = build(seed=1)
+    seg = model.chunker.segment(model.chunker.logits(model.boundary_predictor, torch.randn(1, T, DEBUG.dim)), ids)
+    torch.testing.assert_close(model.chunker.loss(seg), boundary_loss(seg, 4.0, RATIO_BAND, RATIO_BAND_UPPER))
+    assert not torch.allclose(model.chunker.loss(seg), boundary_loss(seg, 4.0, 0.0, 1.0))
+    assert dataclasses.replace(DEBUG, target_bytes_per_segment=1.3).validate() == []
+    (problem,) = dataclasses.replace(DEBUG, target_bytes_per_segment=1.2).validate()
+    assert problem.startswith("target_bytes_per_segment: 1.2 puts the ratio loss's band") and "above 1.25" in problem
 
 
 def test_boundary_loss_trains_the_predictor_and_the_prelude(monkeypatch):

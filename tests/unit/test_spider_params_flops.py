@@ -92,7 +92,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         (1, 256, {"n_loops": 4}, None),
         (1, 128, {}, -1e3),
         (1, 192, {}, 1e3),
-        (2, 128, {"boundary_predictor": "fixed", "loop_lora": False, "engram_layers": []}, None),
+        (2, 128, {"boundary_predictor": "fixed", "engram_layers": []}, None),
         (2, 256, {"chunk_convention": "mean"}, None),
         (2, 256, {"boundary_dim": 0}, None),
         (2, 256, {"byte_ngram_orders": [2, 3, 4]}, None),
@@ -102,7 +102,7 @@ def measured_train_flops(model, ids: torch.Tensor) -> tuple[float, dict]:
         "4_loops",
         "every_byte",
         "forced_only",
-        "fixed_no_lora_no_engram",
+        "fixed_no_engram",
         "mean_convention",
         "full_width_predictor",
         "byte_ngrams",  # table lookups: no FLOPs in either count
@@ -223,7 +223,6 @@ def test_engram_is_computed_once_for_every_loop():
                 SPIDER_FLAVORS["debug"],
                 n_loops=n_loops,
                 boundary_predictor="fixed",
-                loop_lora=False,
                 engram_layers=layers,
             )
             torch.manual_seed(0)

@@ -13,6 +13,12 @@ from typing import Literal
 from spider_titan.job_config import ranged
 from spider_titan.models.common import byte_ngram_problems, hashed_byte_ngrams
 
+# The ratio loss's dead zone, relative to the target (a row within target * (1 +- RATIO_BAND) bytes per
+# segment gets no pull), and the weight of its pull on rows above the band (segments too long) relative
+# to rows below (segmentation.boundary_loss; lab/DECISIONS.md says why).
+RATIO_BAND = 0.2
+RATIO_BAND_UPPER = 0.3
+
 
 @dataclass
 class SpiderArgs:
@@ -72,10 +78,6 @@ class SpiderArgs:
     """Most loops the model supports (loop embeddings, LoRA adapters and eval gains exist for each)."""
     lora_rank: int = ranged(4, low=1)
     """Rank of the per-loop LoRA adapters on the core blocks' ``wq`` and ``wo``."""
-    loop_lora: bool = True
-    """Per-loop LoRA adapters on the core blocks' ``wq``/``wo`` (false: the loops share their weights exactly)."""
-    loop_embedding: bool = True
-    """A learned vector added to the state at the start of each loop (false: none)."""
 
     # ---- segmentation (segmentation.py)
     target_bytes_per_segment: float = ranged(4.0, low=1, low_open=True)
@@ -87,11 +89,6 @@ class SpiderArgs:
     every round(target_bytes_per_segment) bytes (a baseline, best with ``chunk_convention = "mean"``)."""
     boundary_dim: int = ranged(0, low=0)
     """Width of the boundary predictor's query and key projections (0: ``dim``, H-Net's square module)."""
-    boundary_band: float = ranged(0.2, low=0, high=1, high_open=True)
-    """Dead zone of the ratio loss, relative to the target: a row whose bytes per segment lie within
-    ``target * (1 +- band)`` gets no pull, one outside is pulled to the band's nearest edge (0: no band)."""
-    boundary_band_upper: float = ranged(0.3, low=0)
-    """Weight of the ratio loss's pull on rows above the band (segments too long), relative to rows below it."""
     chunk_convention: Literal["mean", "first"] = "first"
     """``first`` (H-Net): a chunk is its first byte's state and its bytes read its own output; ``mean``:
     a segment is the mean of its bytes and byte t reads the segment before its own."""
@@ -149,11 +146,11 @@ class SpiderArgs:
         bad = [j for j in self.engram_layers if not 0 <= j < self.n_core]
         if bad:
             out.append(f"engram_layers: {bad} are not core block indices 0..{self.n_core - 1}")
-        if self.target_bytes_per_segment * (1.0 - self.boundary_band) <= 1.0:
+        if self.target_bytes_per_segment * (1.0 - RATIO_BAND) <= 1.0:
             out.append(
-                f"boundary_band: {self.boundary_band} puts the band's lower edge at "
-                f"{self.target_bytes_per_segment * (1.0 - self.boundary_band):g} bytes per segment; the ratio loss "
-                "needs it > 1 (a narrower band or a larger target)"
+                f"target_bytes_per_segment: {self.target_bytes_per_segment:g} puts the ratio loss's band (target "
+                f"+- {RATIO_BAND:.0%}) below {self.target_bytes_per_segment * (1.0 - RATIO_BAND):g} bytes per "
+                f"segment; it needs the lower edge > 1 (a target above {1.0 / (1.0 - RATIO_BAND):g})"
             )
         if self.boundary_dim > self.dim:
             out.append(
@@ -171,9 +168,6 @@ class SpiderArgs:
 SPIDER_ADDED_ARGS: dict[str, object] = {
     "segment_bucket": 0,
     "chunk_convention": "mean",
-    "loop_embedding": True,
-    "boundary_band": 0.0,
-    "boundary_band_upper": 1.0,
     "boundary_dim": 0,
     "segment_capacity": 0.0,
     "packed_capacity": 0.0,
@@ -215,6 +209,12 @@ SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
     "backprop_loops": (0, _RELEASE),
     "loop_init_std": (0.0, _RELEASE),
     "loop_step_size": (False, _RELEASE),
+    # the loops' own parameters could be switched off (ablations): every loop has them
+    "loop_lora": (True, _RELEASE),
+    "loop_embedding": (True, _RELEASE),
+    # the ratio loss's dead zone, now RATIO_BAND / RATIO_BAND_UPPER
+    "boundary_band": (0.2, _RELEASE),
+    "boundary_band_upper": (0.3, _RELEASE),
 }
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {

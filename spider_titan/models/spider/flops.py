@@ -75,7 +75,7 @@ def spider_flops_breakdown(
         return {
             "core_attention_proj": a.n_core * attn_proj / bps,
             "core_attention_scores": a.n_core * attn_scores(slots) * slots / T,
-            "core_lora": a.n_core * a.loop_lora * lora,
+            "core_lora": a.n_core * lora,
             "moe_router": a.n_core * mm(d, a.n_experts) / bps,
             "moe_experts": a.n_core * a.top_k * 3 * mm(d, a.moe_inter_dim) / bps,
         }
@@ -99,7 +99,7 @@ def spider_flops_breakdown(
     # The core's loops: forward (1x) and backward (2x) for every loop.
     out.update({k: v * (loops + 2.0 * loops) for k, v in per_loop.items()})
     if lora_rows:  # a folding loop's backward makes three fold-sized products (the fold again, dA, dB), not two
-        out["core_lora"] += a.n_core * a.loop_lora * lora_folded * loops
+        out["core_lora"] += a.n_core * lora_folded * loops
     return out
 
 

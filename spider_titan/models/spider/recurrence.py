@@ -7,7 +7,7 @@ Loop i of ``n_loops`` on the chunk vectors ``s (B, S, dim)``, starting from ``h_
 
 1. LTI injection ``h = a * h + inject(s)``, ``a = exp(-softplus(decay_lambda))`` in (0, 1)^dim (a stable
    learned diagonal, 1/2 at init); ``inject(s)`` is computed once for every loop.
-2. ``h = h + loop_embedding[i]`` (zero-initialised; none with ``loop_embedding = false``).
+2. ``h = h + loop_embedding[i]`` (zero-initialised).
 3. Each core block: MLA over segments (causal, RoPE by segment index, loop i's LoRA on ``wq``/``wo``),
    an Engram at the blocks in ``engram_layers`` (its keys and values, which read the segments' bytes
    only, computed once for every loop: ``Engram.memory``), then the MoE with the segment mask as its
@@ -90,16 +90,12 @@ class CoreBlock(nn.Module):
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = MLA.from_args(args)
-        self.lora = (
-            LoopLoRA(
-                args.max_loops,
-                args.dim,
-                args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim),
-                args.n_heads * args.v_head_dim,
-                args.lora_rank,
-            )
-            if args.loop_lora
-            else None
+        self.lora = LoopLoRA(
+            args.max_loops,
+            args.dim,
+            args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim),
+            args.n_heads * args.v_head_dim,
+            args.lora_rank,
         )
         if layer_id in args.engram_layers:
             self.engram = Engram(args.dim, args.engram_buckets, args.engram_dim, args.norm_eps)
@@ -122,8 +118,8 @@ class CoreBlock(nn.Module):
         h = h + self.attention(
             self.attention_norm(h),
             freqs,
-            q_lora=None if lora is None else lora.q(loop),
-            o_lora=None if lora is None else lora.o(loop),
+            q_lora=lora.q(loop),
+            o_lora=lora.o(loop),
             cache=cache,
             packed=packed,
         )
@@ -135,8 +131,7 @@ class CoreBlock(nn.Module):
     def init_weights(self, init_std: float, out_std: float) -> None:
         self.attention_norm.reset_parameters()
         self.attention.init_weights(init_std, out_std)
-        if self.lora is not None:
-            self.lora.init_weights()
+        self.lora.init_weights()
         if self.engram is not None:
             self.engram.init_weights(init_std, out_std)
         self.moe_norm.reset_parameters()
@@ -168,7 +163,7 @@ class RecurrentCore(nn.Module):
         self.layers = nn.ModuleList(CoreBlock(args, j) for j in range(args.n_core))
         self.inject = nn.Linear(args.dim, args.dim, bias=False)
         self.decay_lambda = nn.Parameter(torch.empty(args.dim))
-        self.loop_embedding = nn.Embedding(args.max_loops, args.dim) if args.loop_embedding else None
+        self.loop_embedding = nn.Embedding(args.max_loops, args.dim)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Eval-time gains of the loops past n_loops, set by the end-of-run calibration: a buffer, so it
         # is saved and exported with the weights, replicated (never sharded) and never trained.
@@ -248,8 +243,7 @@ class RecurrentCore(nn.Module):
         first), the loop index a 0-dim tensor, so every loop runs the same code. Returns (the state it
         hands on, ``aux_sum`` plus its blocks' balancing losses, ``counts`` plus their routed slots)."""
         h = decay * before + injected
-        if self.loop_embedding is not None:
-            h = h + _at(self.loop_embedding.weight, loop).to(h.dtype)
+        h = h + _at(self.loop_embedding.weight, loop).to(h.dtype)
         torch._dynamo.maybe_mark_dynamic(h, 1)  # the state the first block receives (see forward)
         for j, block in enumerate(self.layers):
             if caches is None:
@@ -276,15 +270,14 @@ class RecurrentCore(nn.Module):
         """Whether a forward without caches folds the per-loop LoRA into the weights
         (``attention.adapted_linear``, where ``attention.can_fold``)."""
         attn = self._blocks()[0].attention
-        return self.args.loop_lora and can_fold(attn.wq) and can_fold(attn.wo)
+        return can_fold(attn.wq) and can_fold(attn.wo)
 
     @torch.no_grad()
     def inert_loops(self) -> list[bool]:
         """Per loop index, whether its own parameters are at their inert init (every block's LoRA ``B``
         zero, its loop-embedding row zero): all such loops compute the same map of the state. Called alike on every rank (a sharded parameter is gathered)."""
-        per_loop = [p for b in self._blocks() if b.lora is not None for p in (b.lora.wq_b, b.lora.wo_b)]
-        if self.loop_embedding is not None:
-            per_loop.append(self.loop_embedding.weight)
+        per_loop = [p for b in self._blocks() for p in (b.lora.wq_b, b.lora.wo_b)]
+        per_loop.append(self.loop_embedding.weight)
         inert = torch.ones(self.args.max_loops, dtype=torch.bool)
         for p in per_loop:
             full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -296,7 +289,6 @@ class RecurrentCore(nn.Module):
             block.init_weights(init_std, out_std)
         nn.init.trunc_normal_(self.inject.weight, std=init_std)
         nn.init.zeros_(self.decay_lambda)  # a = exp(-softplus(0)) = 1/2
-        if self.loop_embedding is not None:
-            nn.init.zeros_(self.loop_embedding.weight)
+        nn.init.zeros_(self.loop_embedding.weight)
         self.norm.reset_parameters()
         nn.init.ones_(self.extra_loop_gain)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spider_titan.models.spider.args import SpiderArgs
+from spider_titan.models.spider.args import RATIO_BAND, RATIO_BAND_UPPER, SpiderArgs
 from spider_titan.models.spider.engram import engram_bucket_ids
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
 
@@ -402,8 +402,7 @@ class Chunker:
         """The boundary loss (a zero scalar without a predictor)."""
         if not self.learned:
             return seg.probs.new_zeros(())
-        a = self.args
-        return boundary_loss(seg, a.target_bytes_per_segment, a.boundary_band, a.boundary_band_upper)
+        return boundary_loss(seg, self.args.target_bytes_per_segment, RATIO_BAND, RATIO_BAND_UPPER)
 
     # ---- incremental decoding (decode.py): segments handed to the core one at a time
 
