@@ -23,6 +23,7 @@ its spec says the output needs (:func:`effective_loops`): the output is the same
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,12 +158,20 @@ def model_spec(model: nn.Module) -> ModelSpec | None:
 
 def effective_loops(model: nn.Module, n_loops: int | None) -> int | None:
     """The fewest core loops whose output equals ``n_loops``' bit for bit, as the model's spec says
-    (``ModelSpec.effective_loops``; Spider leaves out the loops past its trained count whose
+    (``Recurrence.effective_loops``; Spider leaves out the loops past its trained count whose
     calibrated gain is 0, models/spider/calibration.py); ``n_loops`` as given for a model without that rule."""
     spec = model_spec(model)
-    if n_loops is None or spec is None or spec.effective_loops is None:
+    recurrence = None if spec is None else spec.recurrence
+    if n_loops is None or recurrence is None or recurrence.effective_loops is None:
         return n_loops
-    return spec.effective_loops(model, n_loops)
+    return recurrence.effective_loops(model, n_loops)
+
+
+def max_len(model: nn.Module) -> int | None:
+    """The longest input ``model`` accepts, as its spec says (``Training.max_seq_len``); None: no bound."""
+    spec = model_spec(model)
+    bound = None if spec is None else spec.training.max_seq_len
+    return None if bound is None else bound(model.args)
 
 
 def generate(model: nn.Module, prompt: bytes, **sampling) -> bytes:
@@ -176,7 +185,8 @@ def _decoder(model: nn.Module, longest: int) -> CachedDecoder | None:
     ``longest`` ids fit its ``max_seq_len``; None otherwise."""
     spec = model_spec(model)
     decoder = spec.cached_decoder() if spec is not None else None
-    if decoder is None or decoder.unsupported(model) is not None or longest > model.args.max_seq_len:
+    limit = max_len(model)
+    if decoder is None or decoder.unsupported(model) is not None or (limit is not None and longest > limit):
         return None
     return decoder
 
@@ -273,7 +283,8 @@ class Conversation:
         check_sampling(temperature=temperature, top_k=top_k, max_new_bytes=0, top_p=top_p)
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.model, self.n_loops = model, effective_loops(model, n_loops)
-        self.max_len = model.args.max_seq_len
+        limit = max_len(model)
+        self.max_len = sys.maxsize if limit is None else limit
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.decoder = _decoder(model, 1)

@@ -278,7 +278,7 @@ class Float8:
     """torchao float8 recipe; ``tensorwise`` is the one that supports fp8 all-gather."""
     filter_fqns: list[str] = field(default_factory=list)
     """Linears whose FQN contains any of these stay high precision too, besides the model's own
-    ``ModelSpec.float8_skip_fqns``."""
+    ``Acceleration.float8_skip_fqns``."""
     pad_inner_dim: bool = True
     """Pad inner dims to multiples of 16 so fp8 matmuls accept them."""
     enable_fsdp_float8_all_gather: bool = False
@@ -371,7 +371,7 @@ class Validation:
 class Calibration:
     enable: bool = True
     """After the last training step, before the final validation, save and export, fit the model's
-    eval-time settings on fresh training batches (``ModelSpec.calibrate``; Spider: the gains of the
+    eval-time settings on fresh training batches (``Recurrence.calibrate``; Spider: the gains of the
     loops past ``n_loops``, so evaluating at more loops than trained is no worse). Models without
     such settings skip it, and so does a run with no validation, checkpoint or export to read it."""
     steps: int = ranged(32, low=1)

@@ -6,7 +6,7 @@ described to the rest of the framework by a :class:`ModelSpec` (registered in
 ``registry.py``): its args and flavors, the containers of its repeated blocks (which
 parallelism, float8, activation checkpointing and compile find through ``block_containers``), its
 FLOPs, its training objective and its validation variants. ``sample_ids`` (B,) int64, for models
-that ask for them (``train_inputs``), key training-time noise per sample: the trainer passes
+that ask for them (``training.inputs``), key training-time noise per sample: the trainer passes
 global sample indices, so the noise does not depend on the parallel layout. docs/model.md says
 what Spider does with each part; docs/extension.md adds a model.
 """
@@ -129,8 +129,120 @@ class HFModules:
 
 
 @dataclass(frozen=True)
+class Training:
+    """How a model trains and validates (every model has one; the defaults: next-byte cross-entropy,
+    no extra inputs, no length bound, one plain validation pass)."""
+
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
+    """``(logits, labels) -> scalar``: the training objective summed over labels (the trainer normalises
+    it over all micro-batches and ranks)."""
+    inputs: tuple[str, ...] = ()
+    """Extra keyword inputs the training forward takes from the trainer: ``"sample_ids"`` ((B,) int64
+    global sample indices, keys for training noise), ``"step"`` (host int, the optimizer step: keys
+    per-step randomness, the same on every rank)."""
+    max_seq_len: Callable[[Any], int] | None = None
+    """``args -> int``: the longest input (bytes) the model accepts; ``training.seq_len`` is checked
+    against it and generation keeps a sample within it. None: no bound."""
+    eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
+    """``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant, calling
+    ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` / ``val_bpb{suffix}`` (the
+    variant with suffix "" also logs each ``aux`` scalar as ``val_<key>``). None: one plain pass."""
+
+
+@dataclass(frozen=True)
+class SavedArgs:
+    """How saved args (a checkpoint's or an export's ``model.args``) map to this code."""
+
+    added: dict[str, Any] = field(default_factory=dict)
+    """Args fields added after a checkpoint format was fixed -> the value that rebuilds a model saved
+    without them (:meth:`ModelSpec.saved_args`, which every reader of a checkpoint or export applies)."""
+    retired: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    """Args fields that left the model -> (the saved value the remaining code reproduces, None for any;
+    the last release or commit that had the field, e.g. "release v0.1.0"): a saved model with that
+    value loads without it, any other is refused in one line naming the field and that release."""
+    export_values: dict[str, Any] = field(default_factory=dict)
+    """Args fields an export writes at these values whatever the run trained with: how training shaped
+    its tensors for speed, which inference must not inherit (Spider's static-shape capacities drop
+    segments of a dense prompt)."""
+
+
+@dataclass(frozen=True)
+class MoEPart:
+    """What the framework asks a model with MoE layers (expert parallel, the planner, the balancing loss)."""
+
+    tokens_per_byte: Callable[[Any], float]
+    """``args -> float``: the tokens a MoE layer sees per input byte (Spider's core runs on segments:
+    1 / target_bytes_per_segment); sizes expert parallel's fixed-capacity dispatch, and is the count of
+    core tokens the planner assumes the forward reads back to the host."""
+    experts: Callable[[Any], int]
+    """``args -> int``: routed experts per MoE layer (expert parallel splits them over ranks)."""
+    top_k: Callable[[Any], int]
+    """``args -> int``: experts each token is routed to."""
+    width: Callable[[Any], int]
+    """``args -> int``: the width of a routed token (what all-to-all sends per row)."""
+    calls_per_forward: Callable[[Any], int] = lambda args: 1
+    """``args -> int``: how often each MoE layer runs in one training forward (Spider: its core loops)."""
+    aux_loss_coeff: Callable[[float], dict[str, Any]] | None = None
+    """``coeff -> args overrides`` that weight the model's load-balancing loss by ``[moe] aux_loss_coeff``
+    (0 under ``load_balance = "aux_free"``); a ``[model]`` override of the same field wins. None: the
+    model has no such loss."""
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """A model whose blocks run several times per forward (a recurrent core with a test-time depth)."""
+
+    containers: tuple[str, ...]
+    """The block containers applied several times per forward; activation checkpointing's
+    ``recurrent`` mode wraps these."""
+    effective_loops: Callable[[nn.Module, int | None], int | None] | None = None
+    """``(model, n_loops) -> n_loops``: the fewest loops an eval forward asked for ``n_loops`` (test-time
+    depth) must run for the same output bit for bit; generation runs only those. None: as asked."""
+    calibrate: Callable[[nn.Module, Any, WindowScorer], dict[str, float]] | None = None
+    """``(model, args, score: WindowScorer) -> {name: figure}``: after the last training step, fits
+    eval-time settings of the trained model (buffers, never its trained weights) on fresh training
+    batches scored by ``score``, the same way on every rank; returns figures to log. None: nothing to
+    fit ([calibration])."""
+
+
+@dataclass(frozen=True)
+class Inference:
+    """What generation and the export ask a model that has more than its forward."""
+
+    decoder: str | None = None
+    """The module of the model's incremental decoder (a :class:`CachedDecoder`), imported when generation
+    asks (:meth:`ModelSpec.cached_decoder`): named, not imported, because a decoder imports its model.
+    None: generation recomputes the context for each byte."""
+    hf_modules: HFModules | None = None
+    """The transformers classes an export bundles (:class:`HFModules`, docs/hf.md); None: the export
+    holds no Hugging Face files."""
+    quantize_keep_fqns: tuple[str, ...] | None = None
+    """Linears and embedding tables whose FQN contains one of these keep the export's dtype in an int8 /
+    int4 export (quantization/weight_only.py); None: the model has no quantized export."""
+
+
+@dataclass(frozen=True)
+class Acceleration:
+    """What the speed features (float8, torch.compile, CUDA graphs) need to know of a model."""
+
+    float8_skip_fqns: tuple[str, ...] = ()
+    """Linears whose FQN contains one of these stay in high precision under the float8 converter
+    (besides ``float8.filter_fqns``): the parts fp8 hurts or does not speed up."""
+    compiled_modules: tuple[str, ...] = ()
+    """Modules outside the block containers that ``training.compile`` compiles too, each as one graph:
+    glue whose shapes do not change with the data (Spider's boundary predictor runs on bytes), so it
+    adds no recompile; a missing module is skipped."""
+    graph_blockers: Callable[[Any], list[str]] | None = None
+    """``args -> [reason, ...]``: why a training step's forward is not the same CUDA graph every step (a
+    host read of a data-dependent size, a per-step host choice); ``training.cuda_graph`` refuses the run
+    with them. None: nothing blocks."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """How the framework builds and handles one registered model.
+    """How the framework builds and handles one registered model. The framework reads a model's args
+    only through its spec (never a field by name); what only some models have is an optional part,
+    None when a model has none.
 
     name:             registry key
     args_cls:         dataclass of the model's hyper-parameters (every field overridable in [model])
@@ -140,54 +252,14 @@ class ModelSpec:
     block_containers: FQNs of the ModuleLists that hold the repeated blocks (FSDP units, AC and
                       compile targets), in forward order
     flops_per_token:  ``(args, seq_len) -> float`` training FLOPs (fwd+bwd) per input token, for MFU
-    recurrent_containers: the block containers applied several times per forward (a recurrent
-                      core); activation checkpointing's ``recurrent`` mode wraps these
-    loss_sum:         ``(logits, labels) -> scalar``: the training objective summed over labels (the
-                      trainer normalises it over all micro-batches and ranks); next-byte
-                      cross-entropy unless a model says otherwise
-    train_inputs:     extra keyword inputs the model's training forward takes from the trainer:
-                      ``"sample_ids"`` ((B,) int64 global sample indices, keys for training noise),
-                      ``"step"`` (host int, the optimizer step: keys per-step randomness, the same on every rank)
-    moe_tokens_per_byte: ``args -> float``, the tokens a MoE layer sees per input byte (Spider's core
-                      runs on segments: 1 / target_bytes_per_segment); sizes expert parallel's
-                      fixed-capacity dispatch (None: 1), and is the count of core tokens the planner
-                      assumes the forward reads back to the host (plan.py; None: it reads none)
-    eval_variants:    ``args -> [(suffix, forward_kwargs), ...]``: validation runs once per variant,
-                      calling ``model(inputs, **forward_kwargs)`` and logging ``val_loss{suffix}`` /
-                      ``val_bpb{suffix}`` (the variant with suffix "" also logs each ``aux`` scalar
-                      as ``val_<key>``); None means one plain pass
-    added_args:       args fields added after a checkpoint format was fixed -> the value that rebuilds
-                      a model saved without them (:meth:`saved_args`, which every reader of a
-                      checkpoint or export applies, fills them in)
-    retired_args:     args fields that left the model -> (the saved value the remaining code reproduces,
-                      None for any; the last release or commit that had the field, e.g. "release v0.1.0"):
-                      a saved model with that value loads without it, any other is refused in one line
-                      naming the field and that release
-    calibrate:        ``(model, args, score: WindowScorer) -> {name: figure}``: after the last training
-                      step, fits eval-time settings of the trained model (buffers, never its trained
-                      weights) on fresh training batches scored by ``score``, the same way on every
-                      rank; returns figures to log. None: nothing to fit ([calibration])
-    decoder:          the module of the model's incremental decoder (a :class:`CachedDecoder`), imported
-                      when generation asks (:meth:`cached_decoder`): named, not imported, because a
-                      decoder imports its model. None: generation recomputes the context for each byte
-    effective_loops:  ``(model, n_loops) -> n_loops``: the fewest core loops an eval forward asked for
-                      ``n_loops`` (test-time depth) must run for the same output bit for bit; generation
-                      runs only those. None: as asked
-    hf_modules:       the transformers classes an export bundles (:class:`HFModules`, docs/hf.md); None:
-                      the export holds no Hugging Face files
-    float8_skip_fqns: linears whose FQN contains one of these stay in high precision under the float8
-                      converter (besides ``float8.filter_fqns``): the parts fp8 hurts or does not speed up
-    quantize_keep_fqns: linears and embedding tables whose FQN contains one of these keep the export's dtype in
-                      an int8 / int4 export (quantization/weight_only.py); None: the model has no quantized export
-    graph_blockers:   ``args -> [reason, ...]``: why a training step's forward is not the same CUDA
-                      graph every step (a host read of a data-dependent size, a per-step host choice);
-                      ``training.cuda_graph`` refuses the run with them. None: nothing blocks
-    compiled_modules: modules outside the block containers that ``training.compile`` compiles too, each as
-                      one graph: glue whose shapes do not change with the data (Spider's boundary
-                      predictor runs on bytes), so it adds no recompile; a missing module is skipped
-    export_args:      args fields an export writes at these values whatever the run trained with: how
-                      training shaped its tensors for speed, which inference must not inherit (Spider's
-                      static-shape capacities drop segments of a dense prompt)
+    training:         :class:`Training`: the objective, extra training inputs, the length bound, the
+                      validation variants
+    saved:            :class:`SavedArgs`: fields added and retired since a checkpoint format was fixed,
+                      and the values an export writes
+    moe:              :class:`MoEPart`, for models with MoE layers
+    recurrence:       :class:`Recurrence`, for models with a recurrent core
+    inference:        :class:`Inference`: cached decoding, the Hugging Face classes, quantized exports
+    acceleration:     :class:`Acceleration`: what float8, compile and CUDA graphs must leave alone or add
     """
 
     name: str
@@ -196,22 +268,12 @@ class ModelSpec:
     model_cls: type
     block_containers: tuple[str, ...]
     flops_per_token: Callable[..., float]
-    recurrent_containers: tuple[str, ...] = ()
-    eval_variants: Callable[[Any], list[tuple[str, dict]]] | None = None
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss_sum
-    train_inputs: tuple[str, ...] = ()
-    moe_tokens_per_byte: Callable[[Any], float] | None = None
-    added_args: dict[str, Any] = field(default_factory=dict)
-    retired_args: dict[str, tuple[Any, str]] = field(default_factory=dict)
-    calibrate: Callable[[nn.Module, Any, WindowScorer], dict[str, float]] | None = None
-    decoder: str | None = None
-    effective_loops: Callable[[nn.Module, int | None], int | None] | None = None
-    hf_modules: HFModules | None = None
-    float8_skip_fqns: tuple[str, ...] = ()
-    quantize_keep_fqns: tuple[str, ...] | None = None
-    graph_blockers: Callable[[Any], list[str]] | None = None
-    export_args: dict[str, Any] = field(default_factory=dict)
-    compiled_modules: tuple[str, ...] = ()
+    training: Training = Training()
+    saved: SavedArgs = SavedArgs()
+    moe: MoEPart | None = None
+    recurrence: Recurrence | None = None
+    inference: Inference | None = None
+    acceleration: Acceleration = Acceleration()
 
     def build_args(self, flavor: str, overrides: dict[str, Any] | None = None):
         """The flavor's args with ``overrides`` applied (keys already validated by the config)."""
@@ -223,15 +285,16 @@ class ModelSpec:
 
     def saved_args(self, args: dict[str, Any]) -> dict[str, Any]:
         """A saved model's args (a checkpoint's or an export's ``model.args``) as this code rebuilds
-        that model: the fields added since (``added_args``) filled in, the retired ones
-        (``retired_args``) dropped where saved at the value the code reproduces; a field missing for any
+        that model: the fields added since (``saved.added``) filled in, the retired ones
+        (``saved.retired``) dropped where saved at the value the code reproduces; a field missing for any
         other reason stays missing. ValueError, one line, for a retired option at another value."""
-        args = {**{k: v for k, v in self.added_args.items() if k not in args}, **args}
-        retired = {k: args.pop(k) for k in list(args) if k in self.retired_args}
+        added, retired_args = self.saved.added, self.saved.retired
+        args = {**{k: v for k, v in added.items() if k not in args}, **args}
+        retired = {k: args.pop(k) for k in list(args) if k in retired_args}
         used = [
-            (k, v, self.retired_args[k][1])
+            (k, v, retired_args[k][1])
             for k, v in retired.items()
-            if self.retired_args[k][0] is not None and v != self.retired_args[k][0]
+            if retired_args[k][0] is not None and v != retired_args[k][0]
         ]
         if used:
             fields = ", ".join(f"{k} = {v!r} (last in {where})" for k, v, where in used)
@@ -247,8 +310,9 @@ class ModelSpec:
             return self.model_cls(args)
 
     def cached_decoder(self) -> CachedDecoder | None:
-        """The model's incremental decoder (the ``decoder`` module), None when it has none."""
-        return importlib.import_module(self.decoder) if self.decoder is not None else None
+        """The model's incremental decoder (the ``inference.decoder`` module), None when it has none."""
+        decoder = None if self.inference is None else self.inference.decoder
+        return importlib.import_module(decoder) if decoder is not None else None
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every repeated block as (fqn, module), in forward order."""
@@ -260,9 +324,9 @@ class ModelSpec:
         return out
 
     def compiled_extras(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The ``compiled_modules`` this model has, as (fqn, module)."""
+        """The ``acceleration.compiled_modules`` this model has, as (fqn, module)."""
         names = dict(model.named_modules())
-        return [(fqn, names[fqn]) for fqn in self.compiled_modules if fqn in names]
+        return [(fqn, names[fqn]) for fqn in self.acceleration.compiled_modules if fqn in names]
 
 
 PostStepHook = Callable[[], "dict[str, torch.Tensor] | None"]

@@ -66,7 +66,7 @@ COMPONENTS: dict[str, dict[str, Component]] = {
         "fsdp": Component("spider_titan.parallel.parallelize:apply_parallelism", "parallelism"),
     },
     # [model] converters: apply_*(model, spec, cfg) -> post-step hooks; swap modules in place after
-    # building on meta (the spec says what the model asks of them, e.g. ModelSpec.float8_skip_fqns)
+    # building on meta (the spec says what the model asks of them, e.g. ModelSpec.acceleration.float8_skip_fqns)
     "converter": {
         "float8": Component("spider_titan.quantization.float8:apply_float8", "float8"),
     },

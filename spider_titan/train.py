@@ -239,7 +239,8 @@ class Trainer:
         """training.cuda_graph: the step's forwards and backwards as one graph; ValueError naming what
         this run lacks for it."""
         run = self.run
-        blockers = run.spec.graph_blockers(run.model_args) if run.spec.graph_blockers is not None else []
+        graph_blockers_of = run.spec.acceleration.graph_blockers
+        blockers = graph_blockers_of(run.model_args) if graph_blockers_of is not None else []
         compute_dtype = run.compute_weights.dtype if run.compute_weights is not None else run.autocast_dtype
         fp32_experts = compute_dtype in (None, torch.float32) and any(isinstance(m, MoE) for m in run.model.modules())
         missing = graph_blockers(
@@ -298,12 +299,12 @@ class Trainer:
             for i, (inputs, labels, sample_ids) in enumerate(micro_batches):
                 # FSDP reduce-scatters gradients on the last micro-batch only (once per step)
                 with maybe_no_grad_sync(model, is_last_microbatch=i == accum - 1):
-                    extra = {"sample_ids": sample_ids} if "sample_ids" in run.spec.train_inputs else {}
-                    if "step" in run.spec.train_inputs:  # keys per-step training randomness (Spider's loop count)
+                    extra = {"sample_ids": sample_ids} if "sample_ids" in run.spec.training.inputs else {}
+                    if "step" in run.spec.training.inputs:  # keys per-step training randomness (Spider's loop count)
                         extra["step"] = step
                     with self._autocast():
                         out = model(inputs, **extra)
-                    ce = run.spec.loss_sum(out.logits, labels)
+                    ce = run.spec.training.loss_sum(out.logits, labels)
                     loss = ce * (dp / global_tokens)
                     if out.aux_loss is not None:
                         loss = loss + out.aux_loss / accum

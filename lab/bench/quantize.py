@@ -8,7 +8,7 @@ Per format: the weights' file size, the load time (median of ``--loads``), the v
 every corpus in ``--data`` over the whole val split, each paired with bf16's over the same windows (the
 difference and its standard error, ``protocol.paired_difference``), and cached decoding bytes/s on CPU
 (``--new`` greedy bytes after a ``--context``-byte prompt of the first corpus' val text). ``--ablate``
-adds a second table that decides ``ModelSpec.quantize_keep_fqns``: int8 and int4 quantized in memory
+adds a second table that decides ``Inference.quantize_keep_fqns``: int8 and int4 quantized in memory
 from the bf16 export with the small or loop-sensitive linears and the hashed tables (:data:`CANDIDATES`) all
 kept in bf16, then each of them quantized too, then all, each paired with the all-kept row.
 """

@@ -8,7 +8,7 @@
 Two sources, one writer (:func:`write_export`): a DCP checkpoint folder read in one process
 (:func:`export_checkpoint`, behind ``scripts/export_safetensors.py``), or the live, possibly
 FSDP-sharded model at the end of training (:func:`full_model_state_dict`, ``checkpoint.export_at_end``).
-A model whose spec names Hugging Face classes (``ModelSpec.hf_modules``) also gets the files that
+A model whose spec names Hugging Face classes (``Inference.hf_modules``) also gets the files that
 load it with transformers (hf/bundle.py, docs/hf.md). One reader beside it (:func:`read_export`):
 config.json, the model it names and every tensor, each checked against the others, with the model
 block and tensor names checked by export_format.py, as the bundled Hugging Face code checks them.
@@ -204,7 +204,7 @@ def _make_readable(path: Path, *, folder: bool = False) -> None:
 
 def exported_identity(identity: ModelIdentity) -> ModelIdentity:
     """``identity`` with its model's ``export_args`` (ModelSpec) in place of what the run trained with."""
-    reset = registry.get("model", identity.name).export_args if identity.name in registry.names("model") else {}
+    reset = registry.get("model", identity.name).saved.export_values if identity.name in registry.names("model") else {}
     return dataclasses.replace(
         identity, args={**identity.args, **{k: v for k, v in reset.items() if k in identity.args}}
     )
@@ -291,7 +291,8 @@ def _remove_abandoned(out: Path) -> None:
 def check_quantizable(name: str, quantize: str) -> None:
     """ValueError (one line) unless ``quantize`` is a method and model ``name`` has a quantized export."""
     check_method(quantize)
-    if registry.get("model", name).quantize_keep_fqns is None:
+    inference = registry.get("model", name).inference
+    if inference is None or inference.quantize_keep_fqns is None:
         raise ValueError(
             f"--quantize {quantize}: the {name!r} model has no quantized export (its ModelSpec names no "
             "quantize_keep_fqns); export it without --quantize"
@@ -302,13 +303,14 @@ def quantized_state(
     tensors: dict[str, torch.Tensor], identity: ModelIdentity, dtype: torch.dtype, quantize: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's state with everything in ``dtype`` and its linears and tables, but those its spec keeps
-    (``ModelSpec.quantize_keep_fqns``), quantized with ``quantize``; and config.json's block for it."""
+    (``Inference.quantize_keep_fqns``), quantized with ``quantize``; and config.json's block for it."""
     spec = registry.get("model", identity.name)
     model = spec.build_on_meta(identity.build_args())
     model.to_empty(device="cpu")  # buffers that are not saved stay unset: only the state is read back
     model.load_state_dict({k: to_plain(v) for k, v in tensors.items()}, strict=True)
     model.to(dtype)
-    quantized, kept, skipped = plan_weight_only(model, quantize, spec.quantize_keep_fqns)
+    keep = spec.inference.quantize_keep_fqns
+    quantized, kept, skipped = plan_weight_only(model, quantize, keep)
     if not quantized:
         raise ValueError(f"--quantize {quantize}: no linear or table of the {identity.name!r} model can be quantized")
     if skipped:
@@ -325,7 +327,7 @@ def quantized_state(
         quantize,
         len(kept),
         DTYPE_NAMES[dtype],
-        ", ".join(spec.quantize_keep_fqns),
+        ", ".join(keep),
     )
     return model.state_dict(), quantization_block(quantize, quantized, kept, skipped)
 
@@ -385,7 +387,8 @@ def _write_files(
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
     num_parameters = sum(t.numel() for t in state.values())
     config = export_config(identity, dtype, step=step, num_parameters=num_parameters, quantization=block)
-    hf_modules = registry.get("model", identity.name).hf_modules
+    inference = registry.get("model", identity.name).inference
+    hf_modules = None if inference is None else inference.hf_modules
     if hf_modules is not None:  # loadable by transformers' Auto classes too (docs/hf.md)
         config.update(hf_config_keys(identity.args, hf_modules))
         write_hf_files(tmp, hf_modules)

@@ -134,12 +134,13 @@ def build_model(cfg: JobConfig, post_step_hooks: list[PostStepHook] | None = Non
 
 
 def model_args_overrides(cfg: JobConfig) -> dict[str, Any]:
-    """[model] overrides, plus the [moe] loss weight for models that have one."""
+    """[model] overrides, plus the [moe] loss weight for models that have one (``MoEPart.aux_loss_coeff``)."""
     overrides = dict(cfg.model.overrides)
-    spec = registry.get("model", cfg.model.name)
-    if "moe_aux_coeff" in getattr(spec.args_cls, "__dataclass_fields__", {}):
+    moe = registry.get("model", cfg.model.name).moe
+    if moe is not None and moe.aux_loss_coeff is not None:
         coeff = 0.0 if cfg.moe.load_balance == "aux_free" else cfg.moe.aux_loss_coeff
-        overrides.setdefault("moe_aux_coeff", coeff)
+        for key, value in moe.aux_loss_coeff(coeff).items():
+            overrides.setdefault(key, value)
     return overrides
 
 
@@ -150,7 +151,7 @@ def planned_parallelism(cfg: JobConfig, spec: ModelSpec, args: Any) -> Paralleli
     par = cfg.parallelism
     if par.expert_parallel_dispatch != "capacity" or par.expert_capacity_tokens != 0:
         return par
-    per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else 1.0
+    per_byte = spec.moe.tokens_per_byte(args) if spec.moe is not None else 1.0
     tokens = math.ceil(cfg.training.local_batch_size * cfg.training.seq_len * per_byte)
     logger.info("expert parallel: capacity dispatch planned for %d tokens per MoE call", tokens)
     return dataclasses.replace(par, expert_capacity_tokens=tokens)

@@ -279,7 +279,7 @@ def parse(argv: list[str]) -> tuple[JobConfig | None, list[str]]:
     if model_fields is not None:
         for key, (value, from_cli, origin) in raw_model_extra.items():
             if key not in model_fields:
-                retired = registry.get("model", cfg.model.name).retired_args.get(key)
+                retired = registry.get("model", cfg.model.name).saved.retired.get(key)
                 if retired is not None:
                     problems.append(
                         f"{origin}: model.{key} has left {cfg.model.name} (last in {retired[1]}; "

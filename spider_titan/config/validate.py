@@ -95,8 +95,9 @@ def model_args_and_problems(cfg: JobConfig) -> tuple[Any, list[str]]:
 def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     problems = []
     t = cfg.training
-    max_seq_len = getattr(model_args, "max_seq_len", None)
-    if isinstance(max_seq_len, int) and t.seq_len > max_seq_len:
+    bound = registry.get("model", cfg.model.name).training.max_seq_len
+    max_seq_len = bound(model_args) if bound is not None else None
+    if max_seq_len is not None and t.seq_len > max_seq_len:
         source = (
             "set in [model]"
             if "max_seq_len" in cfg.model.overrides
@@ -155,9 +156,9 @@ def parallelism_problems(cfg: JobConfig, model_args: Any, world_size: int) -> li
     par = cfg.parallelism
     dims = ParallelDims.from_config(par, world_size, check=False)
     problems = dims.problems()
-    n_experts = getattr(model_args, "n_experts", None)
-    if n_experts is not None:
-        problem = experts_split_problem(n_experts, par.expert_parallel_degree)
+    moe = registry.get("model", cfg.model.name).moe
+    if moe is not None:
+        problem = experts_split_problem(moe.experts(model_args), par.expert_parallel_degree)
         if problem:
             problems.append(problem)
     problems.extend(fsdp_problems(par, dims))

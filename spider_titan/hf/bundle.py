@@ -1,6 +1,6 @@
 """Make an export folder loadable by transformers: its modelling code is this package's own.
 
-:func:`write_hf_files` copies the modules of a model's transformers classes (``ModelSpec.hf_modules``)
+:func:`write_hf_files` copies the modules of a model's transformers classes (``Inference.hf_modules``)
 and every ``spider_titan`` module they import (their import closure, found by reading the sources)
 into the export folder as flat files, with
 each ``from spider_titan.a.b import x`` rewritten to ``from .st_a_b import x`` (the form

@@ -111,7 +111,7 @@ def apply_ac(model: nn.Module, spec: ModelSpec, cfg: ActivationCheckpoint) -> in
     if cfg.mode in ("none", "memory_budget"):
         return 0
     if cfg.mode == "recurrent":
-        containers = getattr(spec, "recurrent_containers", ())
+        containers = spec.recurrence.containers if spec.recurrence is not None else ()
         if not containers:
             raise ValueError(
                 f"activation_checkpoint.mode: 'recurrent' needs a model with a recurrent core; {spec.name!r} has none "

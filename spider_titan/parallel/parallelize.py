@@ -30,7 +30,8 @@ logger = logging.getLogger("spider_titan")
 
 def _loop_owners(spec: ModelSpec) -> list[str]:
     """FQNs of the modules that run a recurrent container's loop (its parent; "" = the root)."""
-    return sorted({c.rpartition(".")[0] for c in spec.recurrent_containers})
+    containers = spec.recurrence.containers if spec.recurrence is not None else ()
+    return sorted({c.rpartition(".")[0] for c in containers})
 
 
 def fsdp_units(spec: ModelSpec, model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -34,7 +34,7 @@ Per rank, for one optimizer step (``accumulation`` micro-batches of ``local_batc
   once per step ("compute weights"), all of them (``mixed_precision_mode = "params"``) or the matmul
   weights under autocast. Assumptions, each stated in the output:
   - the one data-dependent host read of the forward (Spider's segment count S) returns
-    ``ceil(seq_len * moe_tokens_per_byte)`` of the model's spec (Spider: one segment per
+    ``ceil(seq_len * moe.tokens_per_byte)`` of the model's spec (Spider: one segment per
     ``target_bytes_per_segment`` bytes); boolean checks read "true";
   - attention saves what the GPU kernels save (q, k, v, output, fp32 logsumexp), not the T x T
     matrix of the CPU math fallback (MLA's qk and v head dims differ, which CPU flash refuses);

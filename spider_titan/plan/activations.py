@@ -100,7 +100,7 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, ob
         cfg.moe.backend = "torch"
     spec, args, model = build_model(cfg)
     model.train()
-    per_byte = spec.moe_tokens_per_byte(args) if spec.moe_tokens_per_byte is not None else None
+    per_byte = spec.moe.tokens_per_byte(args) if spec.moe is not None else None
     # rounded first: in floats 129 * (1 / 3) is not 43 exactly
     segments = math.ceil(round(seq_len * per_byte, 9)) if per_byte is not None else None
     weight_dtype = torch.float32 if casts else param_dtype
@@ -119,7 +119,7 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, ob
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
         inputs = torch.zeros(batch, seq_len, dtype=torch.long)
         labels = torch.zeros(batch, seq_len, dtype=torch.long)
-        extra = {"sample_ids": torch.arange(batch)} if "sample_ids" in spec.train_inputs else {}
+        extra = {"sample_ids": torch.arange(batch)} if "sample_ids" in spec.training.inputs else {}
         before = [*model.parameters(), *model.buffers(), inputs, labels, *extra.values()]
         known = {
             t.untyped_storage()._cdata for t in before + [p.grad for p in model.parameters() if p.grad is not None]
@@ -142,7 +142,7 @@ def _measure(cfg, batch, seq_len, param_dtype, gpu_attention, backward, fsdp, ob
         ):
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             cast = recorder.live
-            loss = spec.loss_sum(model(inputs, **extra).logits, labels)  # the logits die here, as in training
+            loss = spec.training.loss_sum(model(inputs, **extra).logits, labels)  # the logits die here, as in training
             saved = recorder.live - cast
             if backward:
                 loss.backward()

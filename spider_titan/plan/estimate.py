@@ -122,7 +122,7 @@ def make_plan(cfg: JobConfig, opts: PlanOptions) -> Plan:
     memory["backward transients"] = act.peak - act.bytes
     notes.extend(act.notes)
     if act.segments is not None:
-        notes.append(f"core tokens (segments) assumed S = ceil(seq_len * moe_tokens_per_byte) = {act.segments}")
+        notes.append(f"core tokens (segments) assumed S = ceil(seq_len * moe.tokens_per_byte) = {act.segments}")
 
     if dims.ep_enabled:
         comm["all_to_all"] = expert_all_to_all_bytes(cfg, args, act.segments or t.seq_len, param_dtype)
@@ -170,10 +170,12 @@ def expert_all_to_all_bytes(cfg: JobConfig, args, segments: int, dtype: torch.dt
     from spider_titan.moe.layer import MoE
 
     t = cfg.training
-    rows = t.local_batch_size * segments * args.top_k
+    spec = registry.get("model", cfg.model.name)
+    moe = spec.moe  # the planner asks for these bytes only under expert parallel, i.e. of a model with MoE layers
+    rows = t.local_batch_size * segments * moe.top_k(args)
     passes = 4 + 2 * (cfg.activation_checkpoint.mode in ("full", "recurrent"))
-    per_call = passes * rows * args.dim * dtype.itemsize + args.n_experts * 8
+    per_call = passes * rows * moe.width(args) * dtype.itemsize + moe.experts(args) * 8
     with torch.device("meta"):
-        model = registry.get("model", cfg.model.name).model_cls(args)
-    calls = t.gradient_accumulation_steps * args.n_loops
+        model = spec.model_cls(args)
+    calls = t.gradient_accumulation_steps * moe.calls_per_forward(args)
     return {fqn: calls * per_call for fqn, m in model.named_modules() if isinstance(m, MoE)}

@@ -3,7 +3,7 @@
 Applied by the builder right after the model is built on the meta device (``model.converters``
 contains ``"float8"``, the one switch for fp8 training):
 
-- Linears whose FQN contains none of the model's own skip list (``ModelSpec.float8_skip_fqns``: the
+- Linears whose FQN contains none of the model's own skip list (``Acceleration.float8_skip_fqns``: the
   parts fp8 hurts or does not speed up) nor of ``float8.filter_fqns``, and whose shapes fp8 matmuls
   accept, become ``torchao.float8.Float8Linear`` (recipe ``tensorwise`` or ``rowwise``). ``_scaled_mm``
   needs both matmul dims multiples of 16: the inner dim can be padded (``pad_inner_dim``), the
@@ -101,7 +101,7 @@ def apply_float8(model: nn.Module, spec: ModelSpec, cfg: Float8) -> list[Callabl
     check_fp8_capability()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    skip = list(dict.fromkeys([*spec.float8_skip_fqns, *cfg.filter_fqns]))
+    skip = list(dict.fromkeys([*spec.acceleration.float8_skip_fqns, *cfg.filter_fqns]))
     report = Float8Report()
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):

@@ -1,6 +1,6 @@
 """Weight-only int8 / int4 quantization of an export's linears and hashed tables (torchao), and its safetensors form.
 
-What: the ``nn.Linear`` and ``nn.Embedding`` weights a model's spec does not keep (``ModelSpec.quantize_keep_fqns``)
+What: the ``nn.Linear`` and ``nn.Embedding`` weights a model's spec does not keep (``Inference.quantize_keep_fqns``)
 become torchao tensor subclasses: ``int8``, one fp32 scale per output row of a linear or per row of a table
 (``Int8WeightOnlyConfig``, ``Int8Tensor``); ``int4``, one scale per 32 values of a row
 (``IntxWeightOnlyConfig(int4, PerGroup(32))``, ``IntxUnpackedToInt8Tensor``: torchao 0.18's int4 that

@@ -31,7 +31,7 @@ class _Stopped(Exception):
 
 
 class Calibrator:
-    """Runs ``spec.calibrate`` on the batches read ahead of ``train_loader`` (not consumed): ``cfg.steps``
+    """Runs ``spec.recurrence.calibrate`` on the batches read ahead of ``train_loader`` (not consumed): ``cfg.steps``
     of them, or ``max_batches`` if fewer (at least one). The trainer passes a tenth of the micro-batches
     the run trained on, so a short run does not spend a noticeable share of its time calibrating."""
 
@@ -54,10 +54,10 @@ class Calibrator:
 
     @property
     def active(self) -> bool:
-        return self.cfg.enable and self.spec.calibrate is not None
+        return self.cfg.enable and self.spec.recurrence is not None and self.spec.recurrence.calibrate is not None
 
     def __call__(self) -> dict[str, float] | None:
-        """The figures ``spec.calibrate`` returns (empty when inactive); None when a stop signal came
+        """The figures ``spec.recurrence.calibrate`` returns (empty when inactive); None when a stop signal came
         (checked before every scoring pass): the buffers are then restored and nothing is applied."""
         if not self.active:
             return {}
@@ -84,7 +84,7 @@ class Calibrator:
 
         with eval_pass(self.model):
             try:
-                figures = self.spec.calibrate(self.model, self.model_args, score)
+                figures = self.spec.recurrence.calibrate(self.model, self.model_args, score)
             except _Stopped:
                 for name, b in self.model.named_buffers():
                     b.copy_(saved[name])

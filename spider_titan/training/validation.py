@@ -62,7 +62,8 @@ class Validator:
     def variant_groups(self) -> list[tuple[dict, list[str]]]:
         """The eval variants grouped by equal forward kwargs, in order: a group runs once and is
         reported under each of its suffixes (Spider's default pass is its trained-loops pass)."""
-        variants = self.spec.eval_variants(self.model_args) if self.spec.eval_variants is not None else [("", {})]
+        eval_variants = self.spec.training.eval_variants
+        variants = eval_variants(self.model_args) if eval_variants is not None else [("", {})]
         groups: list[tuple[dict, list[str]]] = []
         for suffix, kwargs in variants:
             same = next((g for g in groups if g[0] == kwargs), None)
@@ -112,7 +113,7 @@ class Validator:
                 inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
                 with self.autocast():
                     out = model(inputs, **kwargs)
-                ce += self.spec.loss_sum(out.logits, labels)
+                ce += self.spec.training.loss_sum(out.logits, labels)
                 has_labels = (labels != IGNORE_INDEX).sum()
                 n += has_labels
                 batches += 1

@@ -107,7 +107,7 @@ def test_a_left_padded_batch_is_decoded_with_the_cache_as_its_rows_alone(export,
 def test_the_export_holds_the_packages_own_sources(export):
     """No second copy that could drift: each bundled file is a package module with only its
     spider_titan imports made relative, and the folder holds exactly the model's import closure."""
-    modules = source_closure(SPIDER_SPEC.hf_modules.modules)
+    modules = source_closure(SPIDER_SPEC.inference.hf_modules.modules)
     assert {f"{flat_name(m)}.py" for m in modules} == {p.name for p in export.glob("*.py")}
     assert "spider_titan.models.spider.model" in modules and "spider_titan.moe.layer" in modules
     assert "spider_titan.export_format" in modules  # the checks spider_titan's own reader makes

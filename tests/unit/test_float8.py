@@ -19,7 +19,7 @@ def linears(model: nn.Module) -> dict[str, nn.Module]:
 def test_converted_modules_follow_the_filter(model_name):
     cfg = parse_args(["--model.name", model_name], env={})
     spec, _, plain = build_model(cfg)
-    skip = (*spec.float8_skip_fqns, *cfg.float8.filter_fqns)
+    skip = (*spec.acceleration.float8_skip_fqns, *cfg.float8.filter_fqns)
     expected = {n for n, m in linears(plain).items() if not any(f in n for f in skip)}
     assert expected, "the filter must leave something to convert"
 
@@ -49,7 +49,7 @@ def test_the_models_own_skip_list_holds_with_an_empty_filter():
     cfg = parse_args(["--model.name", "dense", "--model.converters", "float8", "--float8.filter_fqns", ""], env={})
     assert cfg.float8.filter_fqns == []
     spec, _, model = build_model(cfg)
-    assert spec.float8_skip_fqns == ("lm_head",)
+    assert spec.acceleration.float8_skip_fqns == ("lm_head",)
     assert type(model.get_submodule("lm_head")) is nn.Linear
     assert type(model.get_submodule("layers.0.attention.wq")).__name__ == "Float8Linear"
 

@@ -54,19 +54,19 @@ def test_training_mode_and_models_without_the_rule_keep_the_count():
     assert effective_loops(_calibrated([0.0, 0.0]).train(), 4) == 4
     spec = registry.get("model", "dense")
     dense = spec.build_on_meta(spec.build_args("debug"))
-    assert model_spec(dense) is spec and spec.effective_loops is None and effective_loops(dense, 4) == 4
+    assert model_spec(dense) is spec and spec.recurrence is None and effective_loops(dense, 4) == 4
     assert model_spec(_calibrated([0.0, 0.0])) is registry.get("model", "spider")
 
 
 def test_generation_decodes_with_the_decoder_its_spec_names(monkeypatch):
-    """The cached path is the spec's decoder (``ModelSpec.decoder``): a spec without one recomputes
+    """The cached path is the spec's decoder (``Inference.decoder``): a spec without one recomputes
     the context for every byte, with the same bytes."""
     model = _calibrated([0.5, 0.5])
     spider = registry.get("model", "spider")
     assert spider.cached_decoder().decode is decode and uses_cache(model, 64)
     kw = dict(max_new_bytes=16, temperature=0.0)
     cached = generate(model, b"def ", **kw)
-    monkeypatch.setattr(generation, "model_spec", lambda m: dataclasses.replace(spider, decoder=None))
+    monkeypatch.setattr(generation, "model_spec", lambda m: dataclasses.replace(spider, inference=None))
     assert not uses_cache(model, 64) and generate(model, b"def ", **kw) == cached
 
 

@@ -1,7 +1,7 @@
 """The framework asks a model through its ``ModelSpec``, never by name (docs/extension.md, "Add a model").
 
 No module of the package outside ``spider_titan/models/``, the registry (whose job is to map names to
-specs) and a model's own transformers classes (``ModelSpec.hf_modules``, bundled into its exports)
+specs) and a model's own transformers classes (``Inference.hf_modules``, bundled into its exports)
 imports a model's package, or compares anything with a model's registry name (``name == "spider"``,
 ``name in ("spider",)``, a table keyed by it). Read with ``ast`` like tests/unit/test_layering.py, so
 lazy imports count too; the negative control feeds the same check sources that break each rule.
@@ -21,7 +21,11 @@ MODEL_NAMES = set(registry.names("model"))
 # the package a registered spec lives in: "spider_titan.models.spider.model:SPIDER_SPEC" -> spider_titan.models.spider
 MODEL_PACKAGES = {registry.COMPONENTS["model"][name].target.split(":")[0].rsplit(".", 1)[0] for name in MODEL_NAMES}
 EXEMPT = {"spider_titan.models", "spider_titan.registry"} | {
-    module for name in MODEL_NAMES if (hf := registry.get("model", name).hf_modules) for module in hf.modules
+    module
+    for name in MODEL_NAMES
+    if (inference := registry.get("model", name).inference)
+    if (hf := inference.hf_modules)
+    for module in hf.modules
 }
 
 

@@ -42,7 +42,7 @@ def real_activation_bytes(cfg) -> int:
     x = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
     ids = torch.arange(B)
     with count_live_activation_bytes(model, x, ids) as live:
-        loss = spec.loss_sum(model(x, sample_ids=ids).logits, x)
+        loss = spec.training.loss_sum(model(x, sample_ids=ids).logits, x)
     del loss  # after the count: what the loss saves for backward is part of it
     return live.total
 
@@ -66,7 +66,7 @@ def profiled_step_bytes(cfg, batch: int, seq_len: int, backend: str = "inductor"
         p.grad = torch.zeros_like(p)
 
     def step():
-        loss = spec.loss_sum(model(x, sample_ids=ids).logits, x)
+        loss = spec.training.loss_sum(model(x, sample_ids=ids).logits, x)
         with record_function("test-plan-backward"):
             loss.backward()
 

@@ -688,7 +688,7 @@ def test_boundary_loss_trains_the_predictor_and_the_prelude(monkeypatch):
 def test_eval_variants():
     from spider_titan.models.spider import SPIDER_SPEC
 
-    variants = SPIDER_SPEC.eval_variants(DEBUG)
+    variants = SPIDER_SPEC.training.eval_variants(DEBUG)
     # the default pass is the trained loop count: the validator runs it once with "_loops2"
     assert variants == [
         ("", {"n_loops": 2}),
@@ -697,7 +697,7 @@ def test_eval_variants():
         ("_loops4", {"n_loops": 4}),
     ]
     big = dataclasses.replace(DEBUG, max_loops=8)
-    assert SPIDER_SPEC.eval_variants(big)[-1] == ("_loops8", {"n_loops": 8})
+    assert SPIDER_SPEC.training.eval_variants(big)[-1] == ("_loops8", {"n_loops": 8})
 
 
 # ------------------------------------------------------------------------------ bucketed segment count

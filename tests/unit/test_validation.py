@@ -16,7 +16,7 @@ from torch import nn
 
 from spider_titan.data.loader import ByteDataLoader, TokenDataset
 from spider_titan.job_config import Validation
-from spider_titan.protocol import ModelOutput, ModelSpec
+from spider_titan.protocol import ModelOutput, ModelSpec, Training
 from spider_titan.training import validation
 from spider_titan.training.signals import StopSignal
 from spider_titan.training.validation import Validator, whole_split_batch_count, whole_split_batches
@@ -47,7 +47,7 @@ def spec(variants) -> ModelSpec:
         model_cls=Bigram,
         block_containers=(),
         flops_per_token=lambda args, seq_len: 0.0,
-        eval_variants=(lambda args: variants) if variants is not None else None,
+        training=Training(eval_variants=(lambda args: variants) if variants is not None else None),
     )
 
 

@@ -22,7 +22,7 @@ from spider_titan.models.common import (
     hashed_byte_ngrams,
     rope_frequencies,
 )
-from spider_titan.protocol import ModelOutput, ModelSpec, lm_loss_mean
+from spider_titan.protocol import Acceleration, ModelOutput, ModelSpec, SavedArgs, Training, lm_loss_mean
 from spider_titan.vocab import VOCAB_SIZE
 
 
@@ -181,6 +181,7 @@ DENSE_SPEC = ModelSpec(
     model_cls=DenseModel,
     block_containers=("layers",),
     flops_per_token=dense_flops_per_token,
-    float8_skip_fqns=("lm_head",),  # the output projection stays high precision
-    added_args={"byte_ngram_orders": [], "byte_ngram_buckets": 8192, "byte_ngram_lr": 1.0},
+    training=Training(max_seq_len=lambda a: a.max_seq_len),
+    saved=SavedArgs(added={"byte_ngram_orders": [], "byte_ngram_buckets": 8192, "byte_ngram_lr": 1.0}),
+    acceleration=Acceleration(float8_skip_fqns=("lm_head",)),  # the output projection stays high precision
 )

@@ -164,7 +164,7 @@ class SpiderArgs:
 
 # Fields added after checkpoint/export format 1 was fixed, each with the value that rebuilds a model
 # saved before the field existed, so a checkpoint or export that lacks them still loads as the model
-# it is (ModelSpec.added_args).
+# it is (SavedArgs.added).
 SPIDER_ADDED_ARGS: dict[str, object] = {
     "segment_bucket": 0,
     "chunk_convention": "mean",
@@ -176,7 +176,7 @@ SPIDER_ADDED_ARGS: dict[str, object] = {
     "byte_ngram_lr": 1.0,
 }
 
-# Fields that left the model (ModelSpec.retired_args): the saved value at which the remaining code
+# Fields that left the model (SavedArgs.retired): the saved value at which the remaining code
 # computes what the field computed (None: any value, the field had no effect on its own), and the last
 # release or commit that had it; lab/DECISIONS.md says why each left.
 _LAST = "commit e0e7ffe"

@@ -43,7 +43,19 @@ from spider_titan.models.spider.calibration import calibrate_extra_loops, effect
 from spider_titan.models.spider.flops import spider_flops_per_byte
 from spider_titan.models.spider.recurrence import RecurrentCore
 from spider_titan.models.spider.segmentation import BoundaryPredictor, Chunker
-from spider_titan.protocol import FLOPS_PER_BYTE, HFModules, ModelOutput, ModelSpec, lm_loss_mean
+from spider_titan.protocol import (
+    FLOPS_PER_BYTE,
+    Acceleration,
+    HFModules,
+    Inference,
+    ModelOutput,
+    ModelSpec,
+    MoEPart,
+    Recurrence,
+    SavedArgs,
+    Training,
+    lm_loss_mean,
+)
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
 
@@ -250,7 +262,7 @@ def parameter_breakdown(model: Spider) -> dict[str, int]:
 
 
 def spider_eval_variants(args: SpiderArgs) -> list[tuple[str, dict]]:
-    """Validation passes (``ModelSpec.eval_variants``): the default (the trained loop count, which
+    """Validation passes (``Training.eval_variants``): the default (the trained loop count, which
     the validator runs once with the equal ``_loops<n_loops>`` pass), then eval loop counts 1, 2, 4
     and ``max_loops`` (test-time compute), deduplicated and capped at ``max_loops``."""
     out, seen = [("", {"n_loops": args.n_loops})], set()
@@ -264,6 +276,16 @@ def spider_eval_variants(args: SpiderArgs) -> list[tuple[str, dict]]:
 def spider_moe_tokens_per_byte(args: SpiderArgs) -> float:
     """The core's MoE layers see segments: about one token per ``target_bytes_per_segment`` bytes."""
     return 1.0 / args.target_bytes_per_segment
+
+
+SPIDER_MOE = MoEPart(
+    tokens_per_byte=spider_moe_tokens_per_byte,
+    experts=lambda a: a.n_experts,
+    top_k=lambda a: a.top_k,
+    width=lambda a: a.dim,
+    calls_per_forward=lambda a: a.n_loops,  # every core block's MoE runs once per loop
+    aux_loss_coeff=lambda coeff: {"moe_aux_coeff": coeff},
+)
 
 
 def spider_graph_blockers(a: SpiderArgs) -> list[str]:
@@ -281,27 +303,42 @@ SPIDER_SPEC = ModelSpec(
     model_cls=Spider,
     block_containers=("prelude.layers", "core.layers", "coda.layers"),
     flops_per_token=spider_flops_per_byte,
-    recurrent_containers=("core.layers",),
-    eval_variants=spider_eval_variants,
-    moe_tokens_per_byte=spider_moe_tokens_per_byte,
-    added_args=SPIDER_ADDED_ARGS,
-    retired_args=SPIDER_RETIRED_ARGS,
-    calibrate=calibrate_extra_loops,
-    graph_blockers=spider_graph_blockers,
-    export_args={"segment_capacity": 0.0, "packed_capacity": 0.0},  # static shapes are training's choice
-    compiled_modules=("boundary_predictor", "byte_ngrams"),  # on (B, T) bytes, whatever the segmentation
-    decoder="spider_titan.models.spider.decode",
-    effective_loops=effective_loops,
-    hf_modules=HFModules(
-        config="spider_titan.hf.configuration_spider:SpiderConfig",
-        model="spider_titan.hf.modeling_spider:SpiderForCausalLM",
-        tokenizer="spider_titan.hf.tokenization_spider:SpiderByteTokenizer",
+    training=Training(max_seq_len=lambda a: a.max_seq_len, eval_variants=spider_eval_variants),
+    saved=SavedArgs(
+        added=SPIDER_ADDED_ARGS,
+        retired=SPIDER_RETIRED_ARGS,
+        export_values={"segment_capacity": 0.0, "packed_capacity": 0.0},  # static shapes are training's choice
     ),
-    # the byte-level edges, segmentation, routers and Engram stay high precision
-    float8_skip_fqns=("boundary_predictor", "loop_embedding", "engram", "norm", "embed_tokens", "lm_head", "router"),
-    # int4 costs +0.004-0.006 bpb more with lm_head quantized, +0.007 with the boundary predictor, nothing
-    # measurable with core.inject (docs/benchmarks.md, "Quantized exports"); the routers pick experts and
-    # are read as weights (moe/layer.py), not called as modules, and are 0.04 % of 1B's parameters; the byte and
-    # loop embeddings are a few hundred rows, while the hashed tables (byte n-grams, Engram) are quantized
-    quantize_keep_fqns=("lm_head", "boundary_predictor", "router", "embed_tokens", "loop_embedding"),
+    moe=SPIDER_MOE,
+    recurrence=Recurrence(
+        containers=("core.layers",), effective_loops=effective_loops, calibrate=calibrate_extra_loops
+    ),
+    inference=Inference(
+        decoder="spider_titan.models.spider.decode",
+        hf_modules=HFModules(
+            config="spider_titan.hf.configuration_spider:SpiderConfig",
+            model="spider_titan.hf.modeling_spider:SpiderForCausalLM",
+            tokenizer="spider_titan.hf.tokenization_spider:SpiderByteTokenizer",
+        ),
+        # int4 costs +0.004-0.006 bpb more with lm_head quantized, +0.007 with the boundary predictor, nothing
+        # measurable with core.inject (docs/benchmarks.md, "Quantized exports"); the routers pick experts and
+        # are read as weights (moe/layer.py), not called as modules, and are 0.04 % of 1B's parameters; the
+        # byte and loop embeddings are a few hundred rows, while the hashed tables (byte n-grams, Engram) are
+        # quantized
+        quantize_keep_fqns=("lm_head", "boundary_predictor", "router", "embed_tokens", "loop_embedding"),
+    ),
+    acceleration=Acceleration(
+        # the byte-level edges, segmentation, routers and Engram stay high precision
+        float8_skip_fqns=(
+            "boundary_predictor",
+            "loop_embedding",
+            "engram",
+            "norm",
+            "embed_tokens",
+            "lm_head",
+            "router",
+        ),
+        compiled_modules=("boundary_predictor", "byte_ngrams"),  # on (B, T) bytes, whatever the segmentation
+        graph_blockers=spider_graph_blockers,
+    ),
 )
