@@ -45,7 +45,7 @@ def test_custom_filter_skips_more():
 
 
 def test_the_models_own_skip_list_holds_with_an_empty_filter():
-    """``ModelSpec.float8_skip_fqns`` is the model's; ``float8.filter_fqns`` only adds to it."""
+    """``Acceleration.float8_skip_fqns`` is the model's; ``float8.filter_fqns`` only adds to it."""
     cfg = parse_args(["--model.name", "dense", "--model.converters", "float8", "--float8.filter_fqns", ""], env={})
     assert cfg.float8.filter_fqns == []
     spec, _, model = build_model(cfg)
