@@ -7,7 +7,7 @@ initialised under ``torch.manual_seed(SEED)``, then run in eval mode on one fixe
 per ``model/flavor`` key: the float64 sum, absolute sum and squared sum of all the logits, the full
 logit rows at ``POSITIONS``, the loss and the model's scalar ``aux`` figures; ``EXTRA`` pins a few
 forward arguments besides (Spider debug at its test-time depth). It was written at
-bf75ae5 by
+bf75ae5 (the ``medium`` flavors at 14e6b7a, the commit that added them, before the retirements) by
 
     python -m tests.unit.test_flavor_outputs --write
 
