@@ -59,32 +59,11 @@ FIXED = {"model.boundary_predictor": "fixed", "model.chunk_convention": "mean"}
 # Learned segments: H-Net's cosine routing and chunk-start convention (debug's and 1B's default; `small` trains
 # fixed segments since 2026-11-29)
 LEARNED = {"model.boundary_predictor": "cosine", "model.chunk_convention": "first"}
-# The ratio loss's dead zone taken out (the loss pulling to the target from any rate)
-NO_BAND = {"model.boundary_band": 0}
-# The dead zone's pull alike on both edges (the shipped model pulls rows above the band 0.3 as hard)
-BOTH_EDGES = {"model.boundary_band_upper": 1.0}
 # The depth recipes below train around two core loops (debug's and `small`'s default until 2026-11-29; both
 # train one now)
 TWO_LOOPS = {"model.n_loops": 2}
-# Geiping et al.'s recipe: loops sampled per step, backprop through the last loop, a random initial state
-SAMPLED_LOOPS = TWO_LOOPS | {
-    "model.loop_sampling": "poisson_lognormal",
-    "model.backprop_loops": 1,
-    "model.loop_lora": False,
-    "model.loop_init_std": 0.5,
-}
-# Sampled, time-invariant loops (no per-loop LoRA or loop embedding) with backprop through every loop, h_0 = 0
-INVARIANT_FULL = TWO_LOOPS | {
-    "model.loop_sampling": "poisson_lognormal",
-    "model.loop_lora": False,
-    "model.loop_embedding": False,
-}
-# A tenth of the steps at 2x the mean loops (and some at one loop, mean n_loops), the deep steps backpropagating
-# through their last n_loops loops, and a learned step size per loop
-TAIL_STEPS = TWO_LOOPS | {"model.loop_sampling": "tail", "model.backprop_loops": 2, "model.loop_step_size": True}
-
 # Rows of options that have left the model (the MLP predictor, ACT, the hinge loss, H-Net's path element by
-# element, ...) are in docs/experiments.md with the commit that ran them (e0e7ffe and before).
+# element, ...) are in lab/log/ with the commit that ran them; v0.1.0 still has the loop-recipe and ratio-band rows.
 RUNS = [
     Run("spider", SPIDER_CONFIG, {}, "Spider, the flavor's shipped defaults"),
     Run("dense", DENSE_CONFIG, {}, "dense baseline, the flavor's defaults"),
@@ -108,8 +87,6 @@ RUNS = [
     ),
     Run("spider_stage_lr", SPIDER_CONFIG, STAGE_LR, "shipped defaults with H-Net's per-stage learning rates"),
     Run("spider_no_first", SPIDER_CONFIG, {"model.chunk_convention": "mean"}, "learned segments, mean chunks"),
-    Run("spider_no_band", SPIDER_CONFIG, NO_BAND, "shipped defaults with the plain ratio loss (no dead zone)"),
-    Run("spider_both_edges", SPIDER_CONFIG, BOTH_EDGES, "the dead zone's pull alike on both edges of the band"),
     Run(
         "spider_full_width_predictor",
         SPIDER_CONFIG,
@@ -155,7 +132,6 @@ RUNS = [
         {"moe.load_balance": "both"},
         "the balancing loss and the selection bias together (the 1B configs' setting)",
     ),
-    Run("spider_no_loop_lora", SPIDER_CONFIG, {"model.loop_lora": "false"}, "no per-loop LoRA"),
     Run(
         "spider_loops1",
         SPIDER_CONFIG,
@@ -163,31 +139,6 @@ RUNS = [
         "one core loop (no recurrence): debug's and small's default",
     ),
     Run("spider_loops2", SPIDER_CONFIG, TWO_LOOPS, "two core loops: debug's and small's default until 2026-11-29"),
-    Run(
-        "spider_tail_steps",
-        SPIDER_CONFIG,
-        TAIL_STEPS,
-        "2 loops, trained at 2x the mean loops on a tenth of the steps, with a learned step size per loop",
-    ),
-    Run(
-        "spider_sampled_loops",
-        SPIDER_CONFIG,
-        SAMPLED_LOOPS,
-        "Geiping et al.'s recipe: loops sampled per step (Poisson-lognormal, mean n_loops), backprop through "
-        "the last loop, random initial state, no per-loop LoRA",
-    ),
-    Run(
-        "spider_tail_full",
-        SPIDER_CONFIG,
-        TWO_LOOPS | {"model.loop_sampling": "tail", "model.loop_step_size": True},
-        "2 loops, trained at 2x the mean loops on a tenth of the steps (full backprop), a learned step size per loop",
-    ),
-    Run(
-        "spider_invariant_full",
-        SPIDER_CONFIG,
-        INVARIANT_FULL,
-        "sampled, time-invariant loops (no per-loop LoRA or loop embedding), full backprop, h_0 = 0",
-    ),
 ]
 
 
