@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from spider_titan.errors import WriteFailed, describe_os_error
 from spider_titan.job_config import Metrics
 from spider_titan.protocol import FLOPS_PER_BYTE
 
@@ -200,25 +201,54 @@ def _ends_mid_line(path: Path) -> bool:
 
 class JsonlLogger:
     """One JSON object per logged step in ``metrics.jsonl`` (easy to plot or compare runs with),
-    opened for appending at the first log (a resumed run continues the file)."""
+    opened for appending at the first log (a resumed run continues the file).
+
+    A row is written whole or not at all: a write that fails part-way (a full disk, a quota) is cut
+    back to the end of the previous row and raises :class:`~spider_titan.errors.WriteFailed` with one
+    line naming the file; the logger writes nothing after that."""
 
     def __init__(self, path: Path):
         self.path = path
         self.file = None
+        self.failed = False
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        if self.file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            cut = _ends_mid_line(self.path)
-            self.file = self.path.open("a")
-            if cut:  # a row cut short by a crash stays a line of its own
-                self.file.write("\n")
-        self.file.write(json.dumps({"step": step, **scalars}) + "\n")
-        self.file.flush()
+        if self.failed:
+            return
+        row = (json.dumps({"step": step, **scalars}) + "\n").encode()
+        try:
+            if self.file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                cut = _ends_mid_line(self.path)
+                self.file = open(self.path, "ab", buffering=0)  # unbuffered: each row reaches the file at once
+                if cut:  # a row cut short by a crash stays a line of its own
+                    row = b"\n" + row
+            end = os.fstat(self.file.fileno()).st_size
+            _write_all(self.file, row, end)
+        except OSError as e:
+            self.failed = True
+            raise WriteFailed(
+                f"metrics of step {step} not written: {describe_os_error(e, self.path)}; the rows before it "
+                "are complete"
+            ) from e
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _write_all(file, data: bytes, end: int) -> None:
+    """Write all of ``data`` at the end of ``file`` (at ``end``), or cut the file back to ``end`` and re-raise."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[file.write(view) :]
+    except OSError:
+        try:
+            os.ftruncate(file.fileno(), end)  # needs no space: the torn row goes, the rows before it stay
+        except OSError:
+            pass
+        raise
 
 
 def build_jsonl_logger(cfg: Metrics, *, log_dir: Path, rank: int) -> JsonlLogger:

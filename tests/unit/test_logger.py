@@ -3,9 +3,14 @@ files; printed commands name this interpreter and paths that work from the curre
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import shlex
 import sys
 from pathlib import Path
+
+import pytest
 
 from spider_titan.metrics.logger import CONSOLE_WIDTH, ConsoleLogger, shell_command
 
@@ -92,3 +97,51 @@ def test_jsonl_logger_writes_nothing_until_its_first_row_and_never_glues_to_a_cu
     again.log(2, {"loss": 1.5})
     again.close()
     assert path.read_text().splitlines() == ['{"step": 1, "loss": 2.0}', '{"step": 2, "lo', '{"step": 2, "loss": 1.5}']
+
+
+class _FillsUp:
+    """A file whose writes stop after ``room`` bytes: the one that crosses it is cut short (a short
+    write, as a disk that fills up mid-row gives), the next raises ``err``."""
+
+    def __init__(self, f, room: int, err: int):
+        self.f, self.room, self.err = f, room, err
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if self.room <= 0:
+            raise OSError(self.err, os.strerror(self.err))
+        n = self.f.write(data[: self.room])
+        self.room -= n
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize(
+    "err, named", [(errno.ENOSPC, "no space left on device (ENOSPC)"), (errno.EDQUOT, "disk quota exceeded (EDQUOT)")]
+)
+def test_a_row_that_does_not_fit_is_cut_back_and_named_in_one_line(err, named, tmp_path, monkeypatch):
+    """The disk fills up in the middle of a row: the file ends with the last whole row (no torn one),
+    the error is one line naming the file and the step, and later rows (the trainer's close) write
+    nothing instead of failing again."""
+    from spider_titan.errors import WriteFailed
+    from spider_titan.metrics import logger as logger_module
+    from spider_titan.metrics.logger import JsonlLogger
+
+    path = tmp_path / "metrics.jsonl"
+    log = JsonlLogger(path)
+    log.log(1, {"loss": 2.0})
+    log.close()
+    whole = path.read_bytes()
+    monkeypatch.setattr(logger_module, "open", lambda *a, **k: _FillsUp(open(*a, **k), 30, err), raising=False)
+    log = JsonlLogger(path)
+    log.log(2, {"loss": 1.5})  # 25 bytes: fits
+    with pytest.raises(WriteFailed) as e:
+        log.log(3, {"loss": 1.25, "bpb": 1.8})  # crosses the end of the room
+    assert str(e.value).startswith(f"metrics of step 3 not written: {path}: {named}"), e.value
+    assert "\n" not in str(e.value)
+    log.log(4, {"loss": 1.0})
+    log.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert path.read_bytes().startswith(whole) and [r["step"] for r in rows] == [1, 2]
