@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 import uuid
@@ -189,6 +190,19 @@ class RNGState(Stateful):
 
 
 # ---------------------------------------------------------------- checkpointer
+
+
+# What DCP's load planner raises for a key this run's state has and the checkpoint lacks.
+_MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (\S+?)\.?$")
+
+
+def _missing_key(failure: BaseException | None) -> str | None:
+    """The state key this run expected and the checkpoint does not hold, when that is why ``failure`` happened."""
+    for e in _chain(failure):
+        found = _MISSING_KEY.search(str(e).strip())
+        if found:
+            return found.group(1)
+    return None
 
 
 @dataclass
@@ -376,6 +390,14 @@ class Checkpointer:
         mismatch = next((e for e in _chain(failure) if isinstance(e, StateMismatch)), None)
         if mismatch is not None:  # the checkpoint is fine: this run's settings differ from the saved ones
             raise ValueError(f"{where} does not fit this run: {mismatch}") from None
+        absent = _missing_key(failure)
+        if absent is not None:  # its files passed their checks: the state this run holds differs from the saved one
+            raise ValueError(
+                f"{where} does not fit this run: it holds no {absent} (its files are intact; it was saved under "
+                f"other {absent.split('.')[0]} settings, e.g. another optimizer.name); resume with the settings it was "
+                f"saved with, or start a new run from its weights with --checkpoint.initial_load_path {path} "
+                "--checkpoint.initial_load_model_only true"
+            ) from None
         agreed = self._agree(None if failure is None else f"{where} cannot be loaded: {first_cause(failure)}")
         if agreed is not None:
             raise DamagedCheckpointError(agreed) from failure
