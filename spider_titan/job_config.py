@@ -128,7 +128,8 @@ class Training:
     gradient_accumulation_steps: int = ranged(1, low=1)
     """Micro-batches per optimizer step. Global batch = local_batch_size * accumulation * dp degree."""
     steps: int = 1000
-    """Optimizer steps to run (ignored when ``target_tokens`` > 0; the most steps with ``flops_budget``)."""
+    """Optimizer steps to run (ignored when ``target_tokens`` > 0, except on the command line over a TOML's
+    ``target_tokens``; the most steps with ``flops_budget``)."""
     target_tokens: int = ranged(0, low=0)
     """When > 0, run until this many tokens (bytes) have been trained on; overrides ``steps``."""
     flops_budget: float = ranged(0.0, low=0.0)

@@ -274,6 +274,18 @@ def parse(argv: list[str]) -> tuple[JobConfig | None, list[str]]:
             continue
         assign(section, key, value, from_cli=True, origin=f"--{dotted}")
 
+    # 2b) the run's length: steps given on the command line outrank the TOML's target_tokens (which
+    # otherwise decide it), as every CLI key outranks the TOML; both on the command line is a conflict
+    given = {dotted for dotted, _ in pairs}
+    if "training.steps" in given and cfg.training.target_tokens > 0:
+        if "training.target_tokens" in given:
+            problems.append(
+                f"--training.steps {cfg.training.steps} and --training.target_tokens {cfg.training.target_tokens} "
+                "both set the run's length; keep one"
+            )
+        else:
+            cfg.training.target_tokens = 0
+
     # 3) extra [model] keys are the model args' overrides, typed by the model's args dataclass
     model_fields = _model_args_fields(cfg.model.name)
     if model_fields is not None:

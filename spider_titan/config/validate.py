@@ -7,7 +7,9 @@ problem at once. Rules that the parallel code also needs (degrees, expert split,
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
+from pathlib import Path
 from typing import Any
 
 from spider_titan import registry
@@ -127,6 +129,35 @@ def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     return problems
 
 
+# Folders of a run's files that the config names relative to job.dump_folder (checkpoint.folder may be absolute).
+RUN_SUBFOLDERS = ("checkpoint.folder", "metrics.save_tb_folder", "profiling.save_traces_folder")
+
+
+def subfolder_problems(cfg: JobConfig) -> list[str]:
+    """Each folder of :data:`RUN_SUBFOLDERS` is a folder of its own: not empty, not the dump folder itself
+    nor one around it (``.``, ``..``, an absolute parent), where what it writes would mix with the run's
+    other files and every later start would find the run folder holding files it does not know."""
+    dump = Path(os.path.abspath(cfg.job.dump_folder)) if cfg.job.dump_folder.strip() else None
+    problems = []
+    for dotted in RUN_SUBFOLDERS:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        default = getattr(getattr(JobConfig(), section), key)
+        if not value.strip():
+            problems.append(f"{dotted}: empty; name a folder of its own, e.g. {default!r} (the default)")
+            continue
+        if dump is None:
+            continue
+        where = Path(os.path.abspath(dump / value))
+        if where == dump or where in dump.parents:
+            how = "is the dump folder itself" if where == dump else f"holds the dump folder {dump}"
+            problems.append(
+                f"{dotted} = {value!r} {how}; its files would mix with the run's own and every later start "
+                f"would refuse the folder: name a folder of its own, e.g. {default!r} (the default)"
+            )
+    return problems
+
+
 def optimizer_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     """``optimizer.lr_multipliers`` entries are PREFIX=FACTOR and every prefix names parameters of
     the model (built on the meta device, only when there are entries)."""
@@ -186,6 +217,7 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     model_args, model_problems = model_args_and_problems(cfg)
     problems = registry_problems(cfg) + model_problems + range_problems(cfg)
     problems += training_problems(cfg, model_args)
+    problems += subfolder_problems(cfg)
     problems += optimizer_problems(cfg, None if model_problems else model_args)
     problems += activation_checkpoint_problems(cfg)
     problems += parallelism_problems(cfg, model_args, world_size)

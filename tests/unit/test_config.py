@@ -404,3 +404,43 @@ def test_model_args_declare_ranges_as_config_fields_do():
         "model.dim = 0 is not allowed; use an integer >= 1",
         "model.dropout = 1.0 is not allowed; use a finite number in [0, 1)",
     ]
+
+
+def test_steps_on_the_command_line_outrank_the_tomls_target_tokens():
+    """Precedence CLI > TOML > defaults holds for the run's length too: spider_1b.toml's target_tokens
+    (78,125,000 steps' worth) gave way to nothing and a --training.steps 1 run logged step 120/78125000.
+    Both on the command line is a conflict, refused in one line as flops_budget with target_tokens is."""
+    toml = ["--job.config_file", "train_configs/spider_1b.toml"]
+    assert parse_args(toml).training.target_tokens > 0  # the TOML alone: its target_tokens decide
+    cfg = parse_args([*toml, "--training.steps", "1"])
+    assert (cfg.training.steps, cfg.training.target_tokens) == (1, 0)
+    cfg = parse_args([*toml, "--training.target_tokens", "4096"])
+    assert cfg.training.target_tokens == 4096  # the CLI's own target_tokens still decide over the TOML's steps
+    with pytest.raises(ConfigError) as e:
+        parse_args([*toml, "--training.steps", "1", "--training.target_tokens", "4096"])
+    assert e.value.problems == [
+        "--training.steps 1 and --training.target_tokens 4096 both set the run's length; keep one"
+    ]
+
+
+@pytest.mark.parametrize(
+    "key, value, how",
+    [
+        ("checkpoint.folder", ".", "is the dump folder itself"),
+        ("checkpoint.folder", "sub/..", "is the dump folder itself"),
+        ("metrics.save_tb_folder", ".", "is the dump folder itself"),
+        ("metrics.save_tb_folder", "..", "holds the dump folder"),
+        ("profiling.save_traces_folder", "/", "holds the dump folder"),
+        ("checkpoint.folder", "", "empty"),
+    ],
+)
+def test_a_run_subfolder_that_is_the_dump_folder_or_around_it_is_refused(key, value, how, tmp_path):
+    """``--checkpoint.folder .`` or ``--metrics.save_tb_folder .`` wrote the run's step folders or event
+    files among its own, and every later start in that folder crashed: refused before anything starts."""
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--{key}", value, "--job.dump_folder", str(tmp_path / "run")])
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(f"{key}"), e.value.problems
+    assert how in e.value.problems[0] and "name a folder of its own" in e.value.problems[0]
+    assert not (tmp_path / "run").exists()
+    cfg = parse_args([f"--{key}", str(tmp_path / "elsewhere"), "--job.dump_folder", str(tmp_path / "run")])
+    assert cfg is not None  # an absolute folder of its own is fine
