@@ -675,6 +675,21 @@ def test_disk_full_during_the_end_of_run_export(tmp_path, in_process, capsys, mo
     assert not (dump / "export").exists() and finite_checkpoint(step2)
 
 
+def test_a_resume_under_another_optimizer_says_the_files_are_fine(tmp_path, in_process, capsys):
+    """The checkpoint is intact, this run's optimizer state has other keys: the line says so and how to go
+    on (it said "cannot be loaded ... restore their files"), and the checkpoint is left as it was."""
+    dump = tmp_path / "run"
+    assert _train(CKPT + ["--training.steps", "1"], dump, capsys)[0] == 0
+    before = snapshot(dump / "checkpoint")
+    code, _, lines = _train(CKPT + ["--training.steps", "2", "--optimizer.name", "Muon"], dump, capsys)
+    step1 = dump / "checkpoint" / "step-1"
+    assert code == 2 and len(lines) == 1, lines
+    assert f"{step1} does not fit this run: it holds no optimizer." in lines[0], lines
+    assert "its files are intact" in lines[0] and "restore their files" not in lines[0]
+    assert f"--checkpoint.initial_load_path {step1} --checkpoint.initial_load_model_only true" in lines[0]
+    assert snapshot(dump / "checkpoint") == before
+
+
 def test_pruning_leaves_a_damaged_older_checkpoint_alone(tmp_path, in_process, capsys):
     """keep_latest_k passes over a checkpoint whose meta.json is garbage: logged, kept as it is, the run
     goes on (a damaged old folder is no reason to stop training, nor ours to delete)."""
@@ -1243,6 +1258,36 @@ def test_disk_full_on_a_real_tmpfs(tmp_path, in_process, capsys):
         assert finite_checkpoint(disk / "run" / "checkpoint" / "step-1")
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_metrics_onto_a_full_tmpfs(tmp_path, in_process, capsys):
+    """metrics.jsonl fills a real disk mid-run (a 1 MB tmpfs with five pages left for the run's files):
+    one line naming the file and ENOSPC, exit 1, no traceback, and every row in the file whole. It was
+    ``error: None: ...`` and one or two tracebacks (the buffered row failed again at close), with the
+    last row torn where the disk ran out."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        st = os.statvfs(disk)
+        with open(disk / "filler", "wb") as f:
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - 5 * 4096))
+        dump = disk / "run"
+        code, _, lines = _train(MOCK + ["--training.steps", "60"], dump, capsys)
+        metrics = dump / "metrics.jsonl"
+        assert code == 1 and len(lines) == 1, lines
+        assert (
+            lines[0].startswith("error: metrics of step ")
+            and f"{metrics}: no space left on device (ENOSPC)" in lines[0]
+        )
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every row whole
+        assert (
+            rows and metrics.read_bytes().endswith(b"\n") and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+        )
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # lazy: a file a failed run left open keeps it busy
 
 
 def test_export_to_a_full_disk(tmp_path, in_process, capsys, monkeypatch):
