@@ -160,3 +160,40 @@ def check_tensor_names(where: object, expected: set[str], found: set[str]) -> No
         raise ValueError(
             f"{where}: {' and '.join(problems)}; the export is incomplete or from another model: {REEXPORT}"
         )
+
+
+def nonfinite_tensor(
+    tensors: dict[str, torch.Tensor], parts: Callable[[torch.Tensor], list[torch.Tensor]] = lambda t: [t]
+) -> str | None:
+    """The first name (sorted) of ``tensors`` whose floating values hold NaN or inf; None when all are
+    finite. ``parts`` lists the plain tensors a stored one is made of (a quantized weight's scales)."""
+    for key in sorted(tensors):
+        if not all(bool(torch.isfinite(t).all()) for t in parts(tensors[key]) if t.is_floating_point()):
+            return key
+    return None
+
+
+def nonfinite_problem(where: object, key: str) -> str:
+    """The one line for an export whose tensor ``key`` holds NaN or inf (every reader refuses it)."""
+    return f"{where}: tensor {key} holds NaN or inf; export a checkpoint saved before the values went non-finite"
+
+
+def check_quantized_files(folder: Path, method: str | None) -> None:
+    """ValueError naming config.json unless its ``quantization`` block (``method``; None: no block)
+    agrees with the weights files: torchao's header in them marks a quantized export."""
+    files = weight_files(folder) or []
+    quantized = []
+    for file in files:
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            if is_torchao_header(f.metadata()):
+                quantized.append(file.name)
+    if method is None and quantized:
+        raise ValueError(
+            f"{Path(folder) / CONFIG_FILE}: no 'quantization' block, but {quantized[0]} holds quantized weights "
+            f"(torchao's header); restore config.json's 'quantization' from the export's original or {REEXPORT}"
+        )
+    if method is not None and files and not quantized:
+        raise ValueError(
+            f"{Path(folder) / CONFIG_FILE}: 'quantization' names {method}, but {files[0].name} holds no quantized "
+            f"weights; remove that block if the export is not quantized, or {REEXPORT}"
+        )

@@ -80,7 +80,10 @@ from spider_titan.export_format import (
     INDEX_FILE,
     REEXPORT,
     WEIGHTS_FILE,
+    check_quantized_files,
     check_tensor_names,
+    nonfinite_problem,
+    nonfinite_tensor,
     read_model_block,
     read_tensors,
 )
@@ -524,6 +527,7 @@ def export_checkpoint(
         check_quantizable(ModelIdentity.from_json(read_meta(path)["model"]).name, quantize)
     tensors, meta = read_checkpoint_tensors(path)
     identity = ModelIdentity.from_json(meta["model"])
+    check_identity_fits(path, identity, tensors)
     return write_export(
         tensors,
         identity,
@@ -535,6 +539,35 @@ def export_checkpoint(
         keep_out_of=keep_out_of,
         quantize=quantize,
     )
+
+
+def check_identity_fits(path: Path, identity: ModelIdentity, tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError (one line, naming meta.json) unless the model that the checkpoint's saved args
+    (``identity``) build has exactly ``tensors``' names and shapes: an export must not describe one
+    model in its config.json and hold the weights of another."""
+    where = path / "meta.json"
+    try:
+        model = registry.get("model", identity.name).build_on_meta(identity.build_args())
+    except Exception as e:  # an unknown name, args this code refuses or that build no model
+        raise ValueError(f"{where}: its model args build no model ({first_cause(e)}); export another step") from None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    reshaped = sorted(k for k in set(expected) & set(tensors) if tuple(tensors[k].shape) != expected[k])
+    problems = (
+        [f"no tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")] if missing else []
+    )
+    problems += (
+        [f"no such tensor as {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")] if extra else []
+    )
+    problems += [f"{k} is {tuple(tensors[k].shape)} where the args need {expected[k]}" for k in reshaped[:1]] + (
+        [f"{len(reshaped) - 1} more of other shapes"] if len(reshaped) > 1 else []
+    )
+    if problems:
+        raise ValueError(
+            f"{where}: the {identity.name!r} model its args describe does not hold this checkpoint's tensors "
+            f"({'; '.join(problems)}); meta.json was edited or belongs to another checkpoint: restore it or "
+            "export another step"
+        )
 
 
 def _reexport(
@@ -653,6 +686,7 @@ def read_export(path: Path) -> tuple[dict[str, Any], nn.Module, dict[str, torch.
             f"({type(e).__name__}: {e}); restore it or {REEXPORT}"
         ) from None
     tensors = _read_tensors(path)
+    check_quantized_files(path, method)  # once every file is known to be readable
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     extra = sorted(set(tensors) - set(expected))
     check_tensor_names(_weights_file(path, extra[0] if extra else None), set(expected), set(tensors))
@@ -662,9 +696,7 @@ def read_export(path: Path) -> tuple[dict[str, Any], nn.Module, dict[str, torch.
                 f"{_weights_file(path, key)}: tensor {key} has shape {tuple(tensors[key].shape)}, "
                 f"the model in {CONFIG_FILE} needs {shape}; restore it or {REEXPORT}"
             )
-        if not all(bool(torch.isfinite(t).all()) for t in tensor_parts(tensors[key]) if t.is_floating_point()):
-            raise ValueError(
-                f"{_weights_file(path, key)}: tensor {key} holds NaN or inf; export a checkpoint "
-                "saved before the values went non-finite"
-            )
+    bad = nonfinite_tensor(tensors, tensor_parts)
+    if bad is not None:
+        raise ValueError(nonfinite_problem(_weights_file(path, bad), bad))
     return config, model, tensors

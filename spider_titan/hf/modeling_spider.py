@@ -22,8 +22,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from spider_titan.export_format import (
     CONFIG_FILE,
+    check_quantized_files,
     check_tensor_names,
     export_tensor_names,
+    nonfinite_problem,
+    nonfinite_tensor,
     read_model_block,
     read_tensors,
 )
@@ -32,7 +35,7 @@ from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.decode import SpiderCache, decode, new_cache, unsupported
 from spider_titan.models.spider.model import SPIDER_SPEC, Spider
 from spider_titan.protocol import DTYPES, ModelSpec, lm_loss_mean
-from spider_titan.quantization.weight_only import load_quantized, read_method, unflatten_quantized
+from spider_titan.quantization.weight_only import load_quantized, read_method, tensor_parts, unflatten_quantized
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
 
@@ -84,8 +87,9 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
                 expected = set(Spider(spider_args(config, folder)).state_dict())
             check_tensor_names(folder, expected, names)
             method = read_method({"quantization": getattr(config, "quantization", None)}, folder / CONFIG_FILE)
+            check_quantized_files(folder, method)
             if method is not None:
-                return cls._from_quantized(folder, config, method, kwargs)
+                return _finite(cls._from_quantized(folder, config, method, kwargs), folder)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -95,6 +99,7 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         unexpected = {k.removeprefix(prefix) for k in info["unexpected_keys"]}
         expected = set(model.model.state_dict())
         check_tensor_names(pretrained_model_name_or_path, expected, (expected - missing) | unexpected)
+        _finite(model, pretrained_model_name_or_path)
         return (model, info) if want_info else model
 
     @classmethod
@@ -158,6 +163,16 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
             mask = None if attention_mask is None else attention_mask[:, seen:]
             return {"input_ids": input_ids[:, seen:], "attention_mask": mask, "past_key_values": past_key_values}
         return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": use_cache}
+
+
+def _finite(loaded, where: object):
+    """``loaded`` (a model, or ``(model, info)``) once every weight is finite; ValueError naming the tensor
+    otherwise, as spider_titan's reader refuses it (transformers would generate NUL bytes from it)."""
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    bad = nonfinite_tensor(model.model.state_dict(), tensor_parts)
+    if bad is not None:
+        raise ValueError(nonfinite_problem(where, bad))
+    return loaded
 
 
 def _decode_masked(model: Spider, ids: torch.Tensor, mask: torch.Tensor | None, cache: SpiderCache) -> torch.Tensor:

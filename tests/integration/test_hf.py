@@ -281,3 +281,21 @@ def test_lm_eval_rolling_bits_per_byte_equal_spider_titans(export, tmp_path, mon
             n_bytes += len(raw)
     want = nll / n_bytes / math.log(2)
     assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+def test_an_export_with_non_finite_weights_is_refused(export, tmp_path, monkeypatch):
+    """transformers loaded an export holding NaN with no word and generated NUL bytes from it; the
+    bundled code refuses it in one line naming the tensor, as scripts/generate.py does."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "export"
+    shutil.copytree(export, folder)
+    tensors = safetensors.torch.load_file(folder / "model.safetensors")
+    name = sorted(k for k, v in tensors.items() if v.is_floating_point())[-1]
+    tensors[name].view(-1)[0] = float("nan")
+    safetensors.torch.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    line = str(err.value)
+    assert "\n" not in line and line == (
+        f"{folder}: tensor {name} holds NaN or inf; export a checkpoint saved before the values went non-finite"
+    )
