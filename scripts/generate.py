@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from spider_titan.cli import ArgumentParser, at_least, quiet_stdout_errors
 from spider_titan.generation import (
     Conversation,
     check_sampling,
@@ -42,7 +44,7 @@ from spider_titan.protocol import DTYPES
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--model",
         required=True,
@@ -104,12 +106,35 @@ def skipped_loops(run: int, asked: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Load the export, sample, print the prompt and its continuation; a user error exits with one line."""
+    """Load the export, sample, print the prompt and its continuation; a user error exits with one line,
+    a closed stdout (``| head``) quietly with 141, Ctrl-C with 130."""
+    try:
+        with quiet_stdout_errors("generate"):
+            _main(argv)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit itself
+        print("", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for every setting that is out of range, before anything is loaded."""
+    check_sampling(temperature=args.temperature, top_k=args.top_k, max_new_bytes=args.max_new_bytes, top_p=args.top_p)
+    if args.n_loops is not None:
+        at_least(1, "--n_loops", args.n_loops, "core loops at generation")
+    if not Path(args.model).exists():
+        raise FileNotFoundError(
+            f"--model {args.model} does not exist; give an export folder (scripts/export_safetensors.py) or a run folder"
+        )
+    if args.prompt_file not in (None, "-") and not Path(args.prompt_file).is_file():
+        what = "is a folder" if Path(args.prompt_file).is_dir() else "does not exist"
+        raise FileNotFoundError(f"--prompt_file {args.prompt_file} {what}; give a file (or - for standard input)")
+
+
+def _main(argv: list[str] | None) -> None:
     args = parse_args(argv)
     try:
-        check_sampling(
-            temperature=args.temperature, top_k=args.top_k, max_new_bytes=args.max_new_bytes, top_p=args.top_p
-        )
+        check_args(args)
         device = resolve_device(args.device)
         prompt = read_prompt(args)
         model, config = load_model(Path(args.model), device=device, dtype=DTYPES[args.dtype])
@@ -169,14 +194,7 @@ class TerminalText:
 def interactive(model, args: argparse.Namespace, prompt: bytes) -> None:
     """The ``--interactive`` session on stdin/stdout (the prompt, when given, is the first turn);
     after each turn a line on stderr: bytes, bytes/s, cached or not, loops, room left. Ctrl-C ends
-    it where it is, without a traceback."""
-    try:
-        _session(model, args, prompt)
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-
-
-def _session(model, args: argparse.Namespace, prompt: bytes) -> None:
+    it where it is (:func:`main` exits 130, without a traceback)."""
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     conv = Conversation(model, n_loops=args.n_loops, seed=args.seed, **sampling)
     loops = "" if getattr(model.args, "n_loops", None) is None else f", n_loops {conv.n_loops or model.args.n_loops}"
