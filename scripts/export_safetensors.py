@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from spider_titan.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
+from spider_titan.cli import ArgumentParser, at_least, check_output_folder
 from spider_titan.errors import describe_os_error, find_os_error
 from spider_titan.protocol import DTYPES
 from spider_titan.quantization.weight_only import METHODS, check_method
@@ -31,7 +32,7 @@ from spider_titan.quantization.weight_only import METHODS, check_method
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--checkpoint",
         required=True,
@@ -68,9 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     quantize = None if args.quantize == "none" else args.quantize
     dtype = args.dtype or ("float32" if quantize is None else "bfloat16")
-    try:
-        if quantize is not None:  # before anything is read
+    try:  # before anything is read
+        if quantize is not None:
             check_method(quantize)
+        at_least(1, "--max_shard_size", args.max_shard_size, "bytes in one safetensors file")
+        check_output_folder(args.out, "--out")
         out = export_checkpoint(
             Path(args.checkpoint),
             Path(args.out),

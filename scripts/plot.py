@@ -24,6 +24,8 @@ import math
 import sys
 from pathlib import Path
 
+from spider_titan.cli import ArgumentParser, check_output_file, replace_file
+
 METRICS_NAME = "metrics.jsonl"
 # --x choice -> (metrics key, axis label)
 X_AXES = {
@@ -222,16 +224,6 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
     """Draw ``runs`` into the picture ``out`` (PNG, or another format by its suffix); returns the panel titles."""
     x_key, x_label = X_AXES[x]
     out = Path(out)
-    warnings: list[str] = []  # printed once the picture is written: a failed run prints its error alone
-    data = [read_metrics(r, warnings) for r in runs]
-    xs = [x_values(rows, x_key, r) for rows, r in zip(data, runs)]
-    keys = set().union(*(numeric_keys(rows) for rows in data)) - {key for key, _ in X_AXES.values()}
-    panels = plot_panels(keys)
-    if not panels:
-        raise PlotError(f"nothing to draw: {', '.join(runs)} logged none of the plotted keys (loss, val_bpb, ...)")
-    unclaimed = sorted(keys - {k for _, ks, _ in panels for k in ks})
-    if unclaimed:
-        print(f"plot: not drawn (no panel): {', '.join(unclaimed)}")
     try:
         import matplotlib
     except ImportError as e:
@@ -246,6 +238,20 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
             f"--out {out}: {out.suffix} is not a picture format matplotlib writes; "
             f"use .png (or .{', .'.join(sorted(formats))})"
         )
+    try:  # before any metrics are read (a picture format is never a metrics file: no input to compare with)
+        check_output_file(out, "--out")
+    except ValueError as e:
+        raise PlotError(str(e)) from None
+    warnings: list[str] = []  # printed once the picture is written: a failed run prints its error alone
+    data = [read_metrics(r, warnings) for r in runs]
+    xs = [x_values(rows, x_key, r) for rows, r in zip(data, runs)]
+    keys = set().union(*(numeric_keys(rows) for rows in data)) - {key for key, _ in X_AXES.values()}
+    panels = plot_panels(keys)
+    if not panels:
+        raise PlotError(f"nothing to draw: {', '.join(runs)} logged none of the plotted keys (loss, val_bpb, ...)")
+    unclaimed = sorted(keys - {k for _, ks, _ in panels for k in ks})
+    if unclaimed:
+        print(f"plot: not drawn (no panel): {', '.join(unclaimed)}")
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, layout="constrained")
@@ -286,14 +292,10 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(", ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
+    try:  # under a temporary name, renamed once whole: a failed write leaves a previous picture as it was
+        replace_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format=out.suffix[1:].lower()))
     except OSError as e:
-        reason = (
-            "a folder on its path is a file" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
-        )
-        raise PlotError(f"cannot write {out} ({reason}); choose an --out you can write to") from e
+        raise PlotError(f"cannot write {out} ({e.strerror}); choose an --out you can write to") from e
     finally:
         plt.close(fig)
     for warning in warnings:
@@ -303,7 +305,7 @@ def draw(runs: list[str], out: str | Path, *, x: str = "step") -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dump folders (or metrics.jsonl files)")
     p.add_argument(
         "--x",

@@ -22,12 +22,13 @@ import argparse
 import logging
 import sys
 
+from spider_titan.cli import ArgumentParser, at_least, check_output_folder
 from spider_titan.data.ingest import DEFAULT_GLOBS, default_workers, prepare_shards
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, documented by ``--help``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--input",
         nargs="+",
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     exits with status 1 and one line on stderr. Progress goes to stdout."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    try:
+    try:  # before any input is read
+        at_least(0, "--progress_s", args.progress_s, "seconds between progress lines")
+        check_output_folder(args.out, "--out", args.input)
         prepare_shards(
             args.input,
             args.out,

@@ -115,7 +115,8 @@ USER_ERRORS = {
     "unreadable-metrics": "cannot read {run}/metrics.jsonl (Permission denied)",
     "out-is-a-folder": "--out {tmp}/pics is a folder",
     "out-not-a-picture": "--out {tmp}/x.txt: .txt is not a picture format",
-    "out-under-a-file": "cannot write {tmp}/notes/x.png (a folder on its path is a file)",
+    "out-under-a-file": "--out {tmp}/notes/x.png: {tmp}/notes is a file, not a folder",
+    "out-under-a-file-deeper": "--out {tmp}/notes/new/x.png: {tmp}/notes is a file, not a folder",
 }
 
 
@@ -151,6 +152,9 @@ def test_user_errors_are_one_line_and_exit_2(plot, tmp_path, capsys, monkeypatch
     elif case == "out-under-a-file":
         (tmp_path / "notes").write_text("a file")
         out = tmp_path / "notes" / "x.png"
+    elif case == "out-under-a-file-deeper":  # refused before the metrics are read, not after the drawing
+        (tmp_path / "notes").write_text("a file")
+        out = tmp_path / "notes" / "new" / "x.png"
     with pytest.raises(SystemExit) as info:
         plot.main([*argv, "--out", str(out)])
     err = capsys.readouterr().err
@@ -246,3 +250,27 @@ def test_out_names_the_file_written(plot, tmp_path, capsys):
     plot.main([str(run), "--out", str(tmp_path / "cmp")])  # no suffix: matplotlib writes cmp.png
     assert (tmp_path / "cmp.png").read_bytes().startswith(PNG_MAGIC)
     assert f"plot: wrote {tmp_path / 'cmp.png'} (" in capsys.readouterr().out
+
+
+def test_a_failed_write_leaves_the_previous_picture_and_no_partial_file(plot, tmp_path, monkeypatch):
+    """The picture is written under a temporary name and renamed once whole: a write that fails part-way
+    (a full disk) leaves the previous picture byte for byte, and no temporary file."""
+    import errno
+    import os
+
+    import matplotlib.figure
+
+    run = _write_run(tmp_path / "run", _dense_rows())
+    out = tmp_path / "x.png"
+    plot.main([str(run), "--out", str(out)])
+    before = out.read_bytes()
+
+    def half_then_full(self, fname, **kwargs):
+        Path(fname).write_bytes(before[: len(before) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_then_full)
+    with pytest.raises(SystemExit) as info:
+        plot.main([str(run), "--out", str(out)])
+    assert info.value.code == 2
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["run", "x.png"]
