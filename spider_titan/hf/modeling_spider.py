@@ -7,7 +7,7 @@ cache (models/spider/decode.py) through ``past_key_values``: one byte's work per
 The model block of config.json and the export's tensor names are read and checked by
 export_format.py, the checks spider_titan's own reader makes (checkpoint/export.py): ``from_pretrained``
 refuses an export whose tensors are not the model's (transformers alone would initialise the missing
-ones at random, with only a warning), as scripts/generate.py does. A quantized export (int8 / int4,
+ones at random, with only a warning) or holds NaN or inf weights, as scripts/generate.py does. A quantized export (int8 / int4,
 torchao) is loaded here rather than by transformers' loader, the way spider_titan loads it
 (quantization/weight_only.py ``load_quantized``; docs/hf.md says why not ``TorchAoConfig``).
 """
