@@ -126,9 +126,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise FileNotFoundError(
             f"--model {args.model} does not exist; give an export folder (scripts/export_safetensors.py) or a run folder"
         )
-    if args.prompt_file not in (None, "-") and not Path(args.prompt_file).is_file():
-        what = "is a folder" if Path(args.prompt_file).is_dir() else "does not exist"
-        raise FileNotFoundError(f"--prompt_file {args.prompt_file} {what}; give a file (or - for standard input)")
 
 
 def _main(argv: list[str] | None) -> None:

@@ -136,7 +136,7 @@ MISTAKES = [
         "generate-missing-prompt-file",
         "generate",
         ["--model", "{root}/dense", "--prompt_file", "{root}/nope.txt", *G],
-        ["--prompt_file {root}/nope.txt does not exist"],
+        ["--prompt_file {root}/nope.txt: No such file"],
     ),
     Mistake(
         "generate-quantization-block-lost",
