@@ -9,13 +9,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from spider_titan.errors import ScriptParser
+from spider_titan.cli import ArgumentParser, replace_file
 
 
-def parser(prog: str, doc: str | None, **kwargs) -> ScriptParser:
+def parser(prog: str, doc: str | None, **kwargs) -> ArgumentParser:
     """The tool's parser: ``prog`` as a person types it (``python -m lab.bench.gpu``), the first paragraph
-    of ``doc`` as its description; a usage mistake is one line (:class:`ScriptParser`)."""
-    return ScriptParser(prog=prog, description=(doc or "").split("\n\n")[0], **kwargs)
+    of ``doc`` as its description; a usage mistake is one line (:class:`spider_titan.cli.ArgumentParser`)."""
+    return ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0], **kwargs)
 
 
 def refuse(prog: str, message: str) -> SystemExit:
@@ -84,17 +84,10 @@ def check_device(prog: str, device: str) -> str:
 
 def write_whole(path: str | Path, content: str | bytes | Callable[[Path], object]) -> None:
     """Write ``content`` (text, bytes, or a function that writes the file it is given, e.g. a figure's
-    ``savefig``) to ``path`` under a temporary name in the same folder, and rename it when complete: a
-    reader (or a crash) never sees half a file, and an earlier file stays until the new one is whole."""
-    path = Path(path)
-    partial = path.with_name(f".{path.stem}.partial{path.suffix}")  # the suffix kept: savefig reads it
-    try:
-        if isinstance(content, str):
-            partial.write_text(content)
-        elif isinstance(content, bytes):
-            partial.write_bytes(content)
-        else:
-            content(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    ``savefig`` with an explicit format) to ``path`` whole or not at all (:func:`spider_titan.cli.replace_file`)."""
+    if isinstance(content, str):
+        replace_file(Path(path), lambda tmp: tmp.write_text(content))
+    elif isinstance(content, bytes):
+        replace_file(Path(path), lambda tmp: tmp.write_bytes(content))
+    else:
+        replace_file(Path(path), content)

@@ -22,15 +22,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from spider_titan import registry
+from spider_titan.cli import ArgumentParser, replace_file
 from spider_titan.data.loader import ByteDataLoader
-from spider_titan.errors import ScriptParser
 from spider_titan.generation import load_model, model_spec
 from spider_titan.protocol import paired_difference, window_cross_entropy
 from spider_titan.training.ttt import TTTSettings, score_documents, split_documents
@@ -84,7 +83,7 @@ def parse_loops(spec: str, model_args) -> list[int]:
 
 def parse_args(argv: list[str] | None = None):
     """The command line, checked before any model is loaded: a mistake is one line, exit status 1 or 2."""
-    p = ScriptParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
         required=True,
@@ -180,13 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 def write_json(path: str | None, rows: list[dict]) -> None:
     """``rows`` as JSON at ``path`` (nothing when None), under a temporary name until whole."""
     if path:
-        out = Path(path)
-        partial = out.with_name(f".{out.name}.partial")  # renamed when whole: never half a file
-        try:
-            partial.write_text(json.dumps(rows, indent=1) + "\n")
-            os.replace(partial, out)
-        finally:
-            partial.unlink(missing_ok=True)
+        replace_file(Path(path), lambda tmp: tmp.write_text(json.dumps(rows, indent=1) + "\n"))
 
 
 def ttt_rows(models: dict, dataset, args, device: torch.device) -> list[dict]:

@@ -6,12 +6,10 @@ turns a short write into ``RuntimeError: unexpected pos 704 vs 598``, and DCP wr
 error in a ``CheckpointException``; safetensors (Rust) raises a ``SafetensorError`` whose text holds
 the OS error code ("I/O error: No space left on device (os error 28)"). :func:`find_os_error` looks
 through all three, and through the free space left on the disk, to name the cause.
-:class:`ScriptParser` is the scripts' argparse: a mistake on the command line is one line too.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import re
@@ -145,12 +143,3 @@ def describe_failure(e: BaseException, where: str) -> str | None:
     if isinstance(e, OSError) and e.errno in _OS_ERRORS:
         return describe_os_error(e)
     return None
-
-
-class ScriptParser(argparse.ArgumentParser):
-    """argparse for a script a person runs: ``--snake_case`` flags, and a usage mistake (an unknown flag, a
-    value of the wrong type, a missing required flag) as one line, ``PROG: error: ...; see PROG --help``,
-    with exit status 2, instead of argparse's usage block followed by the error."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
