@@ -366,6 +366,12 @@ class Validation:
     """Batches per validation (-1 = the whole split)."""
     local_batch_size: int = ranged(0, low=1, special={0: "training.local_batch_size"})
     """Validation micro-batch size per rank (0 = training.local_batch_size)."""
+    ttt: bool = False
+    """After the final validation, also score the val split's documents chunk by chunk without and with
+    score-first test-time training (training/ttt.py, its default settings): ``val_bpb_docs``,
+    ``val_bpb_ttt`` and their paired difference. One process only."""
+    ttt_max_bytes: int = ranged(1_000_000, low=1, special={0: "the whole split"})
+    """Bytes of the val split (its first documents) that the test-time training pass reads."""
 
 
 @dataclass

@@ -49,7 +49,7 @@ from spider_titan.job_config import JobConfig
 from spider_titan.metrics.logger import setup_logging, shell_command
 from spider_titan.metrics.profiling import maybe_profile
 from spider_titan.moe.layer import MoE
-from spider_titan.parallel.fsdp import maybe_no_grad_sync
+from spider_titan.parallel.fsdp import eval_pass, maybe_no_grad_sync
 from spider_titan.parallel.mesh import destroy_process_groups
 from spider_titan.training.calibration import Calibrator
 from spider_titan.training.cuda_graph import FORWARD_BACKWARD, StepGraph, graph_blockers
@@ -57,6 +57,7 @@ from spider_titan.training.health import DropWatch, NoLabelsError, StepHealth
 from spider_titan.training.progress import AUX, Progress, TrainState, reduce_metrics
 from spider_titan.training.report import launch_command, log_end_block, log_start_block
 from spider_titan.training.signals import Interrupted, ProgramSignals, StopSignal, second_signal_line
+from spider_titan.training.ttt import ttt_validation
 from spider_titan.training.validation import Validator
 from spider_titan.vocab import IGNORE_INDEX
 
@@ -437,9 +438,26 @@ class Trainer:
                 if val is None:
                     return self._stop(step, ", the last, during the final validation (not reported)")
                 self._report_validation(step, val)
+                if self.cfg.validation.ttt:
+                    self.run.metric_logger.log(step, self._ttt_validation())
             if step > 0:
                 self.checkpointer.maybe_save(step, last=True)
             return self._export_at_end(step)
+
+    def _ttt_validation(self) -> dict[str, float]:
+        """``validation.ttt``: the val split's first documents without and with test-time training."""
+        v, ds = self.cfg.validation, self.run.val_loader.dataset
+        tokens = ds.window(0, min(ds.num_tokens, v.ttt_max_bytes or ds.num_tokens))
+        with eval_pass(self.run.model):
+            return ttt_validation(
+                self.run.model,
+                self.run.spec,
+                tokens,
+                seq_len=self.cfg.training.seq_len,
+                batch_size=self.run.val_loader.local_batch_size,
+                device=self.run.device,
+                autocast=self._eval_precision,
+            )
 
     def _trained(self) -> bool:
         """The run's length is reached: its steps, or its FLOPs budget."""

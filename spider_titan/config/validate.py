@@ -222,4 +222,11 @@ def validate(cfg: JobConfig, *, env: Any) -> list[str]:
     problems += activation_checkpoint_problems(cfg)
     problems += parallelism_problems(cfg, model_args, world_size)
     problems += float8_problems(cfg, world_size)
+    if cfg.validation.ttt and not cfg.validation.enable:
+        problems.append("validation.ttt: needs validation.enable = true (it runs after the final validation)")
+    if cfg.validation.ttt and world_size > 1:
+        problems.append(
+            f"validation.ttt: runs on one process (WORLD_SIZE={world_size}); score the export with "
+            "scripts/evaluate.py --ttt instead"
+        )
     return problems

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from spider_titan.protocol import ModelSpec, window_cross_entropy
+from spider_titan.protocol import ModelSpec, paired_difference, window_cross_entropy
 from spider_titan.vocab import BOS_ID, IGNORE_INDEX, PAD_ID
 
 logger = logging.getLogger("spider_titan")
@@ -309,10 +309,11 @@ class DocumentEvaluator:
             for i in new_docs:
                 self.adapters.reset(int(rows[i]))
         grad = self.ttt is not None and self.ttt.lr > 0
-        with torch.set_grad_enabled(grad), self.autocast():
-            logits = self.model(inputs, **self.forward_kwargs).logits
-            ce, n = window_cross_entropy(logits, labels)
-        loss = (ce / n.clamp(min=1)).sum() if grad else None
+        with torch.set_grad_enabled(grad):  # whatever the caller's mode (an eval pass runs under no_grad)
+            with self.autocast():
+                logits = self.model(inputs, **self.forward_kwargs).logits
+                ce, n = window_cross_entropy(logits, labels)
+            loss = (ce / n.clamp(min=1)).sum() if grad else None
         return ce.detach(), n, loss, logits.detach()
 
     def learn_chunk(
@@ -325,10 +326,11 @@ class DocumentEvaluator:
         learned = n > 0
         for k in range(self.ttt.steps):
             if k > 0:
-                with self.autocast():
-                    logits = self.model(inputs.to(self.device), **self.forward_kwargs).logits
-                    ce, cnt = window_cross_entropy(logits, labels.to(self.device))
-                loss = (ce / cnt.clamp(min=1)).sum()
+                with torch.enable_grad():
+                    with self.autocast():
+                        logits = self.model(inputs.to(self.device), **self.forward_kwargs).logits
+                        ce, cnt = window_cross_entropy(logits, labels.to(self.device))
+                    loss = (ce / cnt.clamp(min=1)).sum()
             loss.backward()
             self.adapters.step(self.ttt.lr, learned)
 
@@ -371,3 +373,46 @@ def adapt_on_prompt(
     evaluator = DocumentEvaluator(model, spec, seq_len=seq_len, ttt=ttt, batch_size=1, device=device)
     scores = evaluator.score([prompt], keep_adapters=True)
     return evaluator.adapters, scores
+
+
+def ttt_validation(
+    model: nn.Module,
+    spec: ModelSpec,
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[str, float]:
+    """The end-of-run pass of ``validation.ttt``: the documents of ``tokens`` (a val split's stream)
+    scored without and with test-time training (default settings, chunks of at most ``seq_len``), as
+    metrics: ``val_bpb_docs``, ``val_bpb_ttt``, their paired difference ``ttt_gain_bpb`` and its standard
+    error, and the seconds of each pass."""
+    settings = TTTSettings(chunk_bytes=min(TTTSettings.chunk_bytes, seq_len))
+    docs = split_documents(tokens.astype(np.int64))
+    common = dict(seq_len=seq_len, batch_size=batch_size, device=device, autocast=autocast)
+    plain = score_documents(model, spec, docs, ttt=None, chunk_bytes=settings.chunk_bytes, **common)
+    adapted = score_documents(model, spec, docs, ttt=settings, **common)
+    diff, se = paired_difference(adapted.ce, plain.ce, plain.count)
+    logger.info(
+        "test-time training: val bpb %.4f -> %.4f (%+.4f +- %.4f over %d chunks of %d documents; %.1f s plain, "
+        "%.1f s with TTT; %d linears adapted)",
+        plain.bpb,
+        adapted.bpb,
+        diff,
+        se,
+        int((plain.count > 0).sum()),
+        len(docs),
+        plain.seconds,
+        adapted.seconds,
+        len(adapted.adapted),
+    )
+    return {
+        "val_bpb_docs": plain.bpb,
+        "val_bpb_ttt": adapted.bpb,
+        "ttt_gain_bpb": diff,
+        "ttt_gain_se": se,
+        "ttt_plain_s": plain.seconds,
+        "ttt_s": adapted.seconds,
+    }

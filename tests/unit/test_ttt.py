@@ -111,6 +111,8 @@ def test_a_documents_score_does_not_depend_on_the_one_before(model):
     after_a = score_documents(m, spec, [a, c], seq_len=SEQ, ttt=FAST, batch_size=1)
     after_b = score_documents(m, spec, [b, c], seq_len=SEQ, ttt=FAST, batch_size=1)
     assert torch.equal(after_a.ce[after_a.doc == 1], after_b.ce[after_b.doc == 1])
+    with torch.no_grad():  # as an eval pass calls it: the evaluator still learns
+        assert torch.equal(score_documents(m, spec, [a, c], seq_len=SEQ, ttt=FAST, batch_size=1).ce, after_a.ce)
     # ... and adapting does change scores (so the equality above is not vacuous).
     plain = score_documents(m, spec, [a, c], seq_len=SEQ, ttt=None, chunk_bytes=CHUNK, batch_size=1)
     assert not torch.equal(plain.ce[plain.doc == 1], after_a.ce[after_a.doc == 1])
@@ -160,3 +162,21 @@ def test_split_documents_and_bad_settings():
     assert chunk_windows(40, 16, 24) == [(0, 0, 16), (8, 16, 32), (16, 32, 40)]
     assert TTTSettings(chunk_bytes=64).problems(32) == ["ttt chunk_bytes 64 must be in 1..seq_len (32)"]
     assert len(TTTSettings(steps=0, rank=0, lr=-1.0).problems(256)) == 3
+
+
+def test_validation_ttt_is_refused_where_it_cannot_run(monkeypatch):
+    from spider_titan.config.manager import ConfigError, parse_args
+
+    def problems(*flags, world=1):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        try:
+            parse_args(["--job.config_file", "train_configs/debug_model.toml", "--validation.ttt", "true", *flags])
+        except ConfigError as e:
+            return [p for p in e.problems if "validation.ttt" in p]
+        return []
+
+    assert problems("--validation.enable", "true") == []
+    assert problems("--validation.enable", "false") == [
+        "validation.ttt: needs validation.enable = true (it runs after the final validation)"
+    ]
+    assert "runs on one process (WORLD_SIZE=2)" in problems("--validation.enable", "true", world=2)[0]
