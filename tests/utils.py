@@ -10,24 +10,50 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The debug Spider on mock data, 2 samples of 64 bytes per step, every step logged, nothing but
-# metrics.jsonl written along the way: the smallest real run, for tests of the loop around the model.
-TINY_SPIDER = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.dataset",
-    "mock",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--validation.enable",
-    "false",
-]
+DEBUG_SPIDER = "train_configs/debug_model.toml"
+DEBUG_DENSE = "train_configs/debug_dense.toml"
+
+# The tests' shared tiny run: the debug Spider on mock data, 2 steps of 2 samples of 64 bytes, every
+# step logged, no validation, no TensorBoard, no export at the end: nothing but metrics.jsonl written
+# (and config.toml). The smallest real run, for tests of the loop around the model. tiny_run() turns
+# it into trainer flags; a test that needs another value names it there (tiny_run(training__steps=5)).
+TINY_RUN: dict[str, object] = {
+    "job.config_file": DEBUG_SPIDER,
+    "training.dataset": "mock",
+    "training.steps": 2,
+    "training.seq_len": 64,
+    "training.local_batch_size": 2,
+    "metrics.log_freq": 1,
+    "metrics.enable_tensorboard": False,
+    "validation.enable": False,
+    "checkpoint.export_at_end": False,
+}
+
+
+def flag_value(value: object) -> str:
+    """A Python value as the trainer's CLI spells it: ``true``/``false`` for a bool, else ``str``."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def tiny_run(**overrides: object) -> list[str]:
+    """The trainer flags of :data:`TINY_RUN` with ``overrides`` applied, each given as
+    ``section__key=value`` (``training__steps=5``, ``job__config_file=DEBUG_DENSE``): a key of the
+    tiny run takes the new value in place, a new key is added after them, and ``None`` drops a key
+    (the TOML's value then holds: ``training__dataset=None`` trains on the config's corpus). The
+    result is a fresh list, so a test may append flags of its own."""
+    settings = dict(TINY_RUN)
+    for name, value in overrides.items():
+        section, sep, key = name.partition("__")
+        if not sep or not key:
+            raise TypeError(f"tiny_run: {name!r} is not section__key (e.g. training__steps=5)")
+        dotted = f"{section}.{key}"
+        if value is None:
+            if dotted == "job.config_file":
+                raise TypeError("tiny_run: a tiny run needs a config file (job__config_file=DEBUG_DENSE)")
+            settings.pop(dotted, None)
+        else:
+            settings[dotted] = value
+    return [part for dotted, value in settings.items() for part in (f"--{dotted}", flag_value(value))]
 
 
 def run_train(

@@ -22,30 +22,19 @@ from spider_titan.checkpoint.export import load_export_tensors, read_checkpoint_
 from spider_titan.config.manager import parse_args
 from spider_titan.data.loader import ByteDataLoader, build_mock_dataset
 from spider_titan.train import Trainer, main
-from tests.utils import REPO, check_ok, run_train, train_losses
+from tests.utils import DEBUG_DENSE, REPO, check_ok, run_train, tiny_run, train_losses
 
 pytestmark = pytest.mark.slow
 
-COMMON = [
-    "--job.config_file",
-    "train_configs/debug_dense.toml",
-    "--training.dataset",
-    "mock",
-    "--training.seq_len",
-    "64",
-    "--training.deterministic",
-    "true",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--validation.enable",
-    "false",
-    "--lr_scheduler.warmup_steps",
-    "3",
-    "--lr_scheduler.min_lr_factor",
-    "1.0",
-]
+# the debug config's batch of 8 and its end-of-run export kept (None: the TOML's value)
+COMMON = tiny_run(
+    job__config_file=DEBUG_DENSE,
+    training__local_batch_size=None,
+    training__deterministic=True,
+    checkpoint__export_at_end=None,
+    lr_scheduler__warmup_steps=3,
+    lr_scheduler__min_lr_factor=1.0,
+)
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false"]
 
 

@@ -8,22 +8,18 @@ import pytest
 import torch
 
 from spider_titan.parallel.mesh import destroy_process_groups
-from tests.utils import check_ok, run_train, train_losses
+from tests.utils import DEBUG_DENSE, check_ok, run_train, tiny_run, train_losses
 
-COMMON = [
-    "--job.config_file",
-    "train_configs/debug_dense.toml",
-    "--training.dataset",
-    "mock",
-    "--training.steps",
-    "5",
-    "--training.seq_len",
-    "64",
-    "--metrics.log_freq",
-    "1",
-    "--training.deterministic",
-    "true",
-]
+# the debug config's batch of 8, validation, TensorBoard and end-of-run export kept (None: the TOML's value)
+COMMON = tiny_run(
+    job__config_file=DEBUG_DENSE,
+    training__steps=5,
+    training__local_batch_size=None,
+    training__deterministic=True,
+    validation__enable=None,
+    metrics__enable_tensorboard=None,
+    checkpoint__export_at_end=None,
+)
 
 
 @pytest.mark.parametrize(

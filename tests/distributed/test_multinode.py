@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from tests.utils import REPO, TINY_SPIDER, read_metrics
+from tests.utils import REPO, read_metrics, tiny_run
 
 
 def free_port() -> int:
@@ -19,7 +19,7 @@ def free_port() -> int:
 
 def test_two_node_rendezvous_on_localhost(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    args = [*TINY_SPIDER, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "run")]
+    args = tiny_run(training__steps=3, job__dump_folder=tmp_path / "run")
     procs = []
     for node in (0, 1):
         env = {

@@ -26,30 +26,18 @@ import torch.distributed as dist
 
 from spider_titan.parallel.comm_counter import read_comm_counts, step_total
 from spider_titan.parallel.mesh import destroy_process_groups
-from tests.utils import REPO, check_ok, read_metrics, run_train
+from tests.utils import DEBUG_SPIDER, REPO, check_ok, read_metrics, run_train, tiny_run
 
-COMMON = [
-    "--job.config_file",
-    str(REPO / "train_configs" / "debug_model.toml"),
-    "--model.name",
-    "spider",
-    "--model.flavor",
-    "debug",
-    "--training.dataset",
-    "mock",
-    "--training.steps",
-    "5",
-    "--training.seq_len",
-    "64",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--validation.enable",
-    "false",
-    "--training.deterministic",
-    "true",
-]
+# the debug config's batch of 8 and its end-of-run export kept (None: the TOML's value)
+COMMON = tiny_run(
+    job__config_file=REPO / DEBUG_SPIDER,
+    model__name="spider",
+    model__flavor="debug",
+    training__steps=5,
+    training__local_batch_size=None,
+    training__deterministic=True,
+    checkpoint__export_at_end=None,
+)
 TRITON = {"TRITON_INTERPRET": "1"}
 STATIC = ["--model.segment_capacity", "4.0", "--model.packed_capacity", "4.0"]
 

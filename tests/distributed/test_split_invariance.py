@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spider_titan.parallel.mesh import destroy_process_groups
-from tests.utils import check_ok, read_metrics, run_train, train_losses
+from tests.utils import check_ok, read_metrics, run_train, tiny_run, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -22,34 +22,18 @@ pytestmark = pytest.mark.slow
 # the negative control fails by a wide margin, not by a hair. Two experts, so the expert weights'
 # dim 0 (2 experts; 1 per rank under EP 2) is smaller than the shard group: FSDP shards them on
 # another dim (parallel/fsdp.py shard_dim), which these runs check against one process too.
-COMMON = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--model.n_loops",
-    "2",  # two trained loops (debug trains one), so the split reaches the state handed between loops
-    "--model.n_experts",
-    "2",
-    "--model.top_k",
-    "1",
-    "--training.steps",
-    "5",
-    "--training.seq_len",
-    "64",
-    "--training.gradient_accumulation_steps",
-    "2",
-    "--moe.aux_loss_coeff",
-    "0.1",
-    "--metrics.log_freq",
-    "1",
-    "--training.deterministic",
-    "true",
-    "--validation.enable",
-    "false",
-    "--checkpoint.export_at_end",
-    "true",  # so the end-of-run calibration runs (nothing else would read it)
-    "--metrics.enable_tensorboard",
-    "false",
-]
+COMMON = tiny_run(
+    model__n_loops=2,  # two trained loops (debug trains one), so the split reaches the state handed between loops
+    model__n_experts=2,
+    model__top_k=1,
+    training__dataset=None,  # the config's built-in corpus
+    training__local_batch_size=None,  # each run names its batch
+    training__steps=5,
+    training__gradient_accumulation_steps=2,
+    moe__aux_loss_coeff=0.1,
+    training__deterministic=True,
+    checkpoint__export_at_end=True,  # so the end-of-run calibration runs (nothing else would read it)
+)
 FOUR_RANKS = ["--training.local_batch_size", "1"]
 
 # The trainer with the reducer never installed: each rank's statistics over its own tokens only.

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.utils import TINY_SPIDER, check_ok, run_train
+from tests.utils import check_ok, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_no_process_group_threads_outlive_main(tmp_path):
     returns, each rank has no gloo thread left, only its main thread (and OpenMP's, if any)."""
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
-    args = [*TINY_SPIDER, "--training.steps", "3", "--checkpoint.export_at_end", "true"]
+    args = tiny_run(training__steps=3, checkpoint__export_at_end=True)
     run = run_train(
         [*args, "--job.dump_folder", str(tmp_path / "run")],
         nprocs=2,

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils import check_ok, read_metrics, run_train, train_losses
-
-DENSE = ["--job.config_file", "train_configs/debug_dense.toml"]
+from tests.utils import DEBUG_DENSE, check_ok, read_metrics, run_train, tiny_run, train_losses
 
 
 def test_help_exits_zero():
@@ -35,21 +33,15 @@ FEATURES = [
 def test_feature_runs(overrides, name, nprocs, tmp_path):
     dump = tmp_path / name
     proc = run_train(
-        DENSE
-        + [
-            "--training.dataset",
-            "mock",
-            "--training.steps",
-            "4",
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
-            "--metrics.log_freq",
-            "1",
-            "--job.dump_folder",
-            str(dump),
-        ]
+        # the debug config's validation, TensorBoard and end-of-run export kept: each feature runs them too
+        tiny_run(
+            job__config_file=DEBUG_DENSE,
+            training__steps=4,
+            validation__enable=True,
+            metrics__enable_tensorboard=True,
+            checkpoint__export_at_end=True,
+            job__dump_folder=dump,
+        )
         + overrides,
         nprocs=nprocs,
     )

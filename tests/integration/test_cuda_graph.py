@@ -11,12 +11,9 @@ import torch
 
 from spider_titan.models.spider.model import SPIDER_SPEC, spider_graph_blockers
 from spider_titan.training.cuda_graph import flatten_outputs, graph_blockers, unflatten_outputs
-from tests.utils import TINY_SPIDER, check_ok, run_train, train_losses
+from tests.utils import check_ok, run_train, tiny_run, train_losses
 
-BASE = TINY_SPIDER + [
-    *("--training.seq_len", "256", "--training.local_batch_size", "8", "--training.steps", "6"),
-    *("--checkpoint.export_at_end", "false", "--model.segment_capacity", "1.5"),
-]
+BASE = tiny_run(training__seq_len=256, training__local_batch_size=8, training__steps=6, model__segment_capacity=1.5)
 
 
 def test_a_run_the_graph_cannot_serve_is_refused_naming_what_it_lacks(tmp_path):

@@ -25,36 +25,19 @@ import pytest
 import torch
 
 from spider_titan.train import main as train_main
-from tests.utils import REPO, check_ok, read_metrics, run_train
+from tests.utils import DEBUG_DENSE, REPO, check_ok, read_metrics, run_train, tiny_run
 
-ARGS = [
-    "--job.config_file",
-    str(REPO / "train_configs/debug_dense.toml"),
-    "--training.dataset",
-    "mock",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "1",
-    "--model.n_layers",
-    "1",
-    "--training.deterministic",
-    "true",
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--metrics.log_freq",
-    "1",
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "1",
-    "--checkpoint.last_save_model_only",
-    "false",
-    "--lr_scheduler.warmup_steps",
-    "1",
-]
+ARGS = tiny_run(
+    job__config_file=REPO / DEBUG_DENSE,
+    training__seq_len=32,
+    training__local_batch_size=1,
+    model__n_layers=1,
+    training__deterministic=True,
+    checkpoint__enable=True,
+    checkpoint__interval=1,
+    checkpoint__last_save_model_only=False,
+    lr_scheduler__warmup_steps=1,
+)
 CHECKPOINT_FILES = [".metadata", "__0_0.distcp", "meta.json"]
 EXPORT_FILES = ["config.json", "model.safetensors"]
 FILES = CHECKPOINT_FILES + EXPORT_FILES

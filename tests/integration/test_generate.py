@@ -63,33 +63,20 @@ def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
     (or that) checkpoint's weights, and sample what the run's own fp32 export samples. The end-of-run
     calibration comes before the last save and the export: both hold the gains it logged, the
     checkpoint before it the initial ones."""
-    from tests.utils import check_ok, read_metrics, run_train
+    from tests.utils import check_ok, read_metrics, run_train, tiny_run
 
     run = tmp_path / "run"
     check_ok(
         run_train(
-            [
-                "--job.config_file",
-                "train_configs/debug_model.toml",
-                "--training.dataset",
-                "mock",
-                "--training.steps",
-                "4",
-                "--training.seq_len",
-                "64",
-                "--checkpoint.enable",
-                "true",
-                "--checkpoint.interval",
-                "2",
-                "--checkpoint.export_at_end",
-                "true",
-                "--validation.enable",
-                "false",
-                "--metrics.enable_tensorboard",
-                "false",
-                "--job.dump_folder",
-                str(run),
-            ]  # fmt: skip
+            tiny_run(
+                training__steps=4,
+                training__local_batch_size=None,  # the config's 8
+                metrics__log_freq=None,
+                checkpoint__enable=True,
+                checkpoint__interval=2,
+                checkpoint__export_at_end=True,
+                job__dump_folder=run,
+            )
         )
     )
     exported, _ = load_model(run / "export")

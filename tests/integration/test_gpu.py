@@ -6,28 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.utils import check_ok, run_train, train_losses
+from tests.utils import check_ok, run_train, tiny_run, train_losses
 
 pytestmark = pytest.mark.gpu
 
-BASE = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.dataset",
-    "mock",
-    "--training.steps",
-    "20",
-    "--training.seq_len",
-    "256",
-    "--metrics.log_freq",
-    "1",
-    "--validation.enable",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--training.device",
-    "cuda",
-]
+# the debug config's batch of 8 and its end-of-run export kept (None: the TOML's value)
+BASE = tiny_run(
+    training__steps=20,
+    training__seq_len=256,
+    training__local_batch_size=None,
+    checkpoint__export_at_end=None,
+    training__device="cuda",
+)
 
 
 @pytest.mark.parametrize(

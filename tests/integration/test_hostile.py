@@ -32,24 +32,10 @@ from spider_titan.config.parse import sections
 from spider_titan.data.shards import write_shard
 from spider_titan.train import main
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID
-from tests.utils import REPO, check_ok, read_metrics, run_train, shown_python
+from tests.utils import REPO, check_ok, read_metrics, run_train, shown_python, tiny_run
 
-SPIDER = [
-    "--job.config_file",
-    "train_configs/debug_model.toml",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--validation.enable",
-    "false",
-    "--checkpoint.export_at_end",
-    "false",
-    "--metrics.log_freq",
-    "1",
-]
+# the tiny run on the config's own corpus and step count: each row names its data and length
+SPIDER = tiny_run(training__dataset=None, training__steps=None)
 MOCK = ["--training.dataset", "mock"]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spider_titan.models.spider.segmentation import Chunker
-from tests.utils import TINY_SPIDER
+from tests.utils import tiny_run
 
 
 def _launches(tmp_path, batch: int) -> int:
@@ -21,25 +21,15 @@ def _launches(tmp_path, batch: int) -> int:
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 
-    argv = [
-        *TINY_SPIDER,
-        "--training.local_batch_size",
-        str(batch),
-        "--training.steps",
-        "2",
-        "--model.segment_capacity",
-        "2.0",
-        "--model.packed_capacity",
-        "1.5",
-        "--optimizer.implementation",  # what `auto` takes on a GPU
-        "fused",
-        "--metrics.enable_jsonl",
-        "false",
-        "--checkpoint.export_at_end",
-        "false",
-        "--job.dump_folder",
-        str(tmp_path / f"batch{batch}"),
-    ]
+    argv = tiny_run(
+        training__local_batch_size=batch,
+        training__steps=2,
+        model__segment_capacity=2.0,
+        model__packed_capacity=1.5,
+        optimizer__implementation="fused",  # what `auto` takes on a GPU
+        metrics__enable_jsonl=False,
+        job__dump_folder=tmp_path / f"batch{batch}",
+    )
     trainer = Trainer(parse_args(argv, env={}))
     try:
         trainer.train_step(trainer.next_micro_batches(), 1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils import TINY_SPIDER, check_ok, run_train, train_losses
+from tests.utils import check_ok, run_train, tiny_run, train_losses
 
-COMMON = [*TINY_SPIDER, "--training.steps", "3"]
+COMMON = tiny_run(training__steps=3)
 
 
 def test_triton_backend_losses_match_torch_backend(tmp_path):

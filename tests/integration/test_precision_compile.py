@@ -7,29 +7,21 @@ import pytest
 from spider_titan.config.manager import parse_args
 from spider_titan.train import Trainer
 from spider_titan.training.progress import reduce_metrics
-from tests.utils import check_ok, read_metrics, run_train
+from tests.utils import check_ok, read_metrics, run_train, tiny_run
 from tests.utils import train_losses as train_losses_of
 
 
 def train_losses(args: list[str], steps: int, dump, on_step=None) -> list[float]:
     cfg = parse_args(
         [
-            "--job.config_file",
-            "train_configs/debug_model.toml",
-            "--training.dataset",
-            "mock",
-            "--training.steps",
-            str(steps),
-            "--training.seq_len",
-            "128",
-            "--training.local_batch_size",
-            "4",
-            "--validation.enable",
-            "false",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--job.dump_folder",
-            str(dump),
+            *tiny_run(
+                training__steps=steps,
+                training__seq_len=128,
+                training__local_batch_size=4,
+                metrics__log_freq=None,  # the config's
+                checkpoint__export_at_end=None,
+                job__dump_folder=dump,
+            ),
             *args,
         ],
         env={},
@@ -78,36 +70,15 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
     """Every block compiled with fullgraph=True (inductor on CPU), 8-12 steps whose segment counts vary
     batch to batch: no graph break, at most 2 recompiles, losses equal to eager within 1e-5 over the
     first 5 steps (fp32) and within 1e-4 over all (the drift of the optimizer steps)."""
-    args = [
-        "--job.config_file",
-        "train_configs/debug_model.toml",
-        "--training.dataset",
-        "mock",
-        "--training.steps",
-        str(steps),
-        "--training.seq_len",
-        "96",
-        "--training.local_batch_size",
-        "2",
-        "--moe.backend",
-        backend,
-        "--moe.load_balance",
-        balance,
-        "--model.n_loops",
-        str(n_loops),
-        "--model.segment_capacity",
-        str(capacity[0]),
-        "--model.packed_capacity",
-        str(capacity[1]),
-        "--validation.enable",
-        "false",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--metrics.log_freq",
-        "1",
-        "--checkpoint.export_at_end",
-        "false",
-    ]
+    args = tiny_run(
+        training__steps=steps,
+        training__seq_len=96,
+        moe__backend=backend,
+        moe__load_balance=balance,
+        model__n_loops=n_loops,
+        model__segment_capacity=capacity[0],
+        model__packed_capacity=capacity[1],
+    )
     budget = ["--activation_checkpoint.memory_budget", "0.3"] if ac == "memory_budget" else []
     eager_ac = "none" if ac == "memory_budget" else ac  # the budget is the compiler's alone
     eager = run_train(args + ["--activation_checkpoint.mode", eager_ac, "--job.dump_folder", str(tmp_path / "eager")])

@@ -7,31 +7,14 @@ import json
 import pytest
 
 from spider_titan.config.manager import ConfigError, parse_args
-from tests.utils import REPO, check_ok, run_train
+from tests.utils import DEBUG_SPIDER, REPO, check_ok, run_train, tiny_run
 
 
 def test_profiled_run_writes_a_trace_of_its_window(tmp_path):
     dump = tmp_path / "run"
     proc = run_train(
         [
-            "--job.config_file",
-            str(REPO / "train_configs" / "debug_model.toml"),
-            "--job.dump_folder",
-            str(dump),
-            "--training.dataset",
-            "mock",
-            "--training.steps",
-            "3",
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--validation.enable",
-            "false",
-            "--checkpoint.export_at_end",
-            "false",
+            *tiny_run(job__config_file=REPO / DEBUG_SPIDER, job__dump_folder=dump, training__steps=3),
             "--profiling.enable_profiling",
             "true",
             "--profiling.start_step",

@@ -24,17 +24,9 @@ from spider_titan.checkpoint.lock import (
     acquire_run_lock,
 )
 from spider_titan.train import main
-from tests.utils import REPO, TINY_SPIDER, read_metrics, run_train
+from tests.utils import REPO, read_metrics, run_train, tiny_run
 
-ARGS = [
-    *TINY_SPIDER,
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "4",
-    "--checkpoint.export_at_end",
-    "false",
-]
+ARGS = tiny_run(checkpoint__enable=True, checkpoint__interval=4)
 
 
 def holder_pid(dump) -> int | None:

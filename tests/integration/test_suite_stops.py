@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from spider_titan.train import main
-from tests.utils import REPO, TINY_SPIDER, read_metrics
+from tests.utils import REPO, read_metrics, tiny_run
 
 VICTIM_ENV = "SPIDER_TITAN_SIGTERM_VICTIM"
 
@@ -27,11 +27,7 @@ def test_victim_trains_for_a_long_time(in_process):
     with torch.random.fork_rng():
         main(
             [
-                *TINY_SPIDER,
-                "--training.steps",
-                "100000",
-                "--checkpoint.export_at_end",
-                "false",
+                *tiny_run(training__steps=100000),
                 "--job.dump_folder",
                 os.environ[VICTIM_ENV],
             ]

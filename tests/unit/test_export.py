@@ -35,7 +35,7 @@ from spider_titan.config.manager import parse_args
 from spider_titan.generation import generate, load_model, sample_next
 from spider_titan.train import Trainer
 from spider_titan.vocab import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from tests.utils import REPO
+from tests.utils import DEBUG_DENSE, REPO, tiny_run
 
 # Loads the export with safetensors alone and proves that nothing of spider_titan was imported.
 LOAD_ALONE = """
@@ -51,28 +51,14 @@ print(json.dumps({k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()})
 def trained(tmp_path_factory):
     """The dense debug model after 3 steps, with its final model-only checkpoint and export."""
     dump = tmp_path_factory.mktemp("trained")
-    argv = [
-        "--job.config_file",
-        "train_configs/debug_dense.toml",
-        "--training.dataset",
-        "mock",
-        "--training.seq_len",
-        "32",
-        "--training.local_batch_size",
-        "2",
-        "--training.steps",
-        "3",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--validation.enable",
-        "false",
-        "--job.dump_folder",
-        str(dump),
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.export_at_end",
-        "true",
-    ]
+    argv = tiny_run(
+        job__config_file=DEBUG_DENSE,
+        training__seq_len=32,
+        training__steps=3,
+        job__dump_folder=dump,
+        checkpoint__enable=True,
+        checkpoint__export_at_end=True,
+    )
     log = logging.getLogger("spider_titan")
     with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():
         mp.chdir(REPO)

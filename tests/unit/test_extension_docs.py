@@ -11,29 +11,14 @@ import torch
 
 from spider_titan import registry
 from spider_titan.train import main
-from tests.utils import REPO, check_ok, run_train, train_losses
+from tests.utils import DEBUG_DENSE, DEBUG_SPIDER, REPO, check_ok, run_train, tiny_run, train_losses
 
 DOC = REPO / "docs" / "extension.md"
-SMALL = [
-    "--training.steps",
-    "3",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--validation.enable",
-    "false",
-    "--checkpoint.enable",
-    "false",
-    "--checkpoint.export_at_end",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--metrics.log_freq",
-    "1",
-    "--training.dataset",
-    "mock",
-]
+
+
+def small(config: str = DEBUG_SPIDER, **overrides) -> list[str]:
+    """The tests' tiny run of ``config``, 3 steps, no checkpoints."""
+    return tiny_run(job__config_file=config, training__steps=3, checkpoint__enable=False, **overrides)
 
 
 def blocks() -> list[str]:
@@ -84,22 +69,7 @@ def test_every_example_has_a_file_and_a_registration():
 
 def test_model_example_trains(examples, tmp_path, in_process):
     register("model")
-    assert (
-        main(
-            [
-                "--job.config_file",
-                "train_configs/debug_dense.toml",
-                "--model.name",
-                "bigram",
-                "--model.n_layers",
-                "3",
-                "--job.dump_folder",
-                str(tmp_path / "run"),
-                *SMALL,
-            ]
-        )
-        == 0
-    )
+    assert main(small(DEBUG_DENSE, model__name="bigram", model__n_layers=3, job__dump_folder=tmp_path / "run")) == 0
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(list(losses.values()))))
 
@@ -126,20 +96,7 @@ def test_converter_example_swaps_linears_and_refreshes_scales(examples, tmp_path
     stale = lin.scale.clone()
     hooks[0]()  # after an optimizer step: the scales follow the weights
     assert torch.allclose(lin.scale, 2.0 * stale)
-    assert (
-        main(
-            [
-                "--job.config_file",
-                "train_configs/debug_model.toml",
-                "--model.converters",
-                "int8_qat",
-                "--job.dump_folder",
-                str(tmp_path / "run"),
-                *SMALL,
-            ]
-        )
-        == 0
-    )
+    assert main(small(model__converters="int8_qat", job__dump_folder=tmp_path / "run")) == 0
 
 
 def test_moe_backend_example_matches_the_reference(examples):
@@ -171,7 +128,7 @@ def test_parallelism_example_matches_one_process(examples, tmp_path):
     plugin.write_text(f"from spider_titan import registry\n{register_line}\n")
     # The dense baseline: it has no batch-level losses (Spider's balance and boundary statistics are
     # reduced over the data-parallel group by the shipped parallelize component, which ddp replaces).
-    common = ["--job.config_file", "train_configs/debug_dense.toml", "--training.deterministic", "true", *SMALL]
+    common = small(DEBUG_DENSE, training__deterministic=True)
     one = run_train([*common, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")])
     check_ok(one)
     two = run_train([*common, "--parallelism.name", "ddp", "--job.dump_folder", str(tmp_path / "two")], nprocs=2)

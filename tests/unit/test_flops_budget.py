@@ -18,7 +18,7 @@ import pytest
 
 from spider_titan.job_config import LRScheduler
 from spider_titan.optim.lr_schedulers import FlopsBudget, cosine_decay, lr_multiplier
-from tests.utils import TINY_SPIDER, check_ok, read_metrics, run_train, train_losses
+from tests.utils import check_ok, read_metrics, run_train, tiny_run, train_losses
 
 CFG = LRScheduler(warmup_steps=5, min_lr_factor=0.1)
 
@@ -50,15 +50,11 @@ def test_drifting_cost_ends_the_decay_with_the_budget():
     assert step < planned  # the step plan would have overspent: 76 dearer steps vs 98 planned ones
 
 
-SPIDER = [
-    *TINY_SPIDER,
-    "--training.deterministic",
-    "true",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--training.steps",
-    "40",  # the cap: far above what the budget buys
-]
+SPIDER = tiny_run(
+    training__deterministic=True,
+    lr_scheduler__warmup_steps=2,
+    training__steps=40,  # the cap: far above what the budget buys
+)
 BUDGET = 6e9
 SPIDER_LR = LRScheduler(warmup_steps=2, min_lr_factor=0.1)  # the debug config's schedule with the warmup above
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false"]

@@ -31,51 +31,30 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.sync_counter import SyncCounter
+from tests.utils import tiny_run
 
-SMALL = [
-    "--model.dim",
-    "64",
-    "--model.n_heads",
-    "2",
-    "--model.kv_lora_rank",
-    "24",
-    "--model.qk_nope_head_dim",
-    "16",
-    "--model.qk_rope_head_dim",
-    "8",
-    "--model.v_head_dim",
-    "16",
-    "--model.inter_dim",
-    "64",
-    "--model.moe_inter_dim",
-    "32",
-    "--model.engram_buckets",
-    "64",
-    "--model.engram_dim",
-    "16",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "1",
-    "--training.device",
-    "cpu",
-    "--training.compile",
-    "false",
-    "--training.dataset",
-    "mock",
-    "--training.num_workers",
-    "0",
-    "--moe.backend",
-    "torch",
-    "--validation.enable",
-    "false",
-    "--checkpoint.enable",
-    "false",
-    "--checkpoint.export_at_end",
-    "false",
-    "--metrics.enable_tensorboard",
-    "false",
-]
+# The 1B configs shrunk to a CPU step: the tiny run's data and batch on the config's own layout
+# (its steps and log frequency kept: how often a step logs decides what it reads back).
+SMALL = dict(
+    model__dim=64,
+    model__n_heads=2,
+    model__kv_lora_rank=24,
+    model__qk_nope_head_dim=16,
+    model__qk_rope_head_dim=8,
+    model__v_head_dim=16,
+    model__inter_dim=64,
+    model__moe_inter_dim=32,
+    model__engram_buckets=64,
+    model__engram_dim=16,
+    training__steps=None,
+    metrics__log_freq=None,
+    training__local_batch_size=1,
+    training__device="cpu",
+    training__compile=False,
+    training__num_workers=0,
+    moe__backend="torch",
+    checkpoint__enable=False,
+)
 CPU_ONLY_CHECK = "spider_titan/moe/base.py"  # the CPU branch of check_topk_idx (see the docstring)
 SEGMENT_COUNT = "spider_titan/models/spider/segmentation.py"
 EP_SPLITS = "spider_titan/parallel/expert_parallel.py"
@@ -87,7 +66,7 @@ def count_one_step(config: str, dump: Path, extra: tuple[str, ...] = ()) -> tupl
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 
-    argv = ["--job.config_file", f"train_configs/{config}", *SMALL, *extra, "--job.dump_folder", str(dump)]
+    argv = [*tiny_run(job__config_file=f"train_configs/{config}", **SMALL), *extra, "--job.dump_folder", str(dump)]
     cfg = parse_args(argv)
     trainer = Trainer(cfg)
     try:

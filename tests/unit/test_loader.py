@@ -22,6 +22,7 @@ from spider_titan.data.loader import (
 from spider_titan.data.shards import DataError, read_metadata, read_shard, write_shard
 from spider_titan.data.tokenizer import decode, encode
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
+from tests.utils import tiny_run
 
 SEQ = 16
 
@@ -393,18 +394,7 @@ def test_the_train_loop_copies_batches_without_blocking(monkeypatch, in_process,
     from spider_titan.train import Trainer
 
     cfg = parse_args(
-        [
-            "--job.config_file",
-            "train_configs/debug_model.toml",
-            "--training.dataset",
-            "mock",
-            "--training.gradient_accumulation_steps",
-            "2",
-            "--validation.enable",
-            "false",
-            "--job.dump_folder",
-            str(tmp_path / "run"),
-        ],
+        tiny_run(training__gradient_accumulation_steps=2, job__dump_folder=tmp_path / "run"),
         env={},
     )
     trainer = Trainer(cfg)

@@ -20,7 +20,7 @@ from spider_titan.data.loader import build_bytes_dataset
 from spider_titan.data.shards import HEADER_BYTES, ShardWriter, find_shards, read_metadata, read_shard
 from spider_titan.data.tokenizer import decode
 from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
-from tests.utils import check_ok, run_train
+from tests.utils import check_ok, run_train, tiny_run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prepare_data.py"
 
@@ -428,26 +428,13 @@ def test_training_runs_on_prepared_shards(tmp_path):
         ]
     )
     proc = run_train(
-        [
-            "--job.config_file",
-            "train_configs/debug_model.toml",
-            "--training.dataset",
-            "bytes",
-            "--training.dataset_path",
-            str(out),
-            "--training.steps",
-            "2",
-            "--validation.enable",
-            "false",
-            "--checkpoint.export_at_end",
-            "false",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--training.seq_len",
-            "64",
-            "--job.dump_folder",
-            str(tmp_path / "run"),
-        ],
+        tiny_run(
+            training__dataset="bytes",
+            training__dataset_path=out,
+            training__local_batch_size=None,  # the config's 8
+            metrics__log_freq=None,
+            job__dump_folder=tmp_path / "run",
+        ),
         timeout=300,
     )
     check_ok(proc)
