@@ -24,7 +24,7 @@ TORCH_PIP_ARGS ?=
 VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.spider_titan_installed
 
-.PHONY: help install train sample plot test lint gpu
+.PHONY: help install train sample plot test test-fast lint gpu
 
 help:
 	@echo "make train    train CONFIG ($(CONFIG)) with the overrides in ARGS,"
@@ -32,6 +32,7 @@ help:
 	@echo "make sample   sample from the export of CONFIG/ARGS's run (PROMPT, SAMPLE_ARGS)"
 	@echo "make plot     draw CONFIG/ARGS's run's metrics.jsonl into <run folder>/metrics.png"
 	@echo "make test     run the tests (python -m pytest -q -n TEST_WORKERS PYTEST_ARGS), as CI does"
+	@echo "make test-fast  tests/ without those marked slow: every package module, in minutes (same options)"
 	@echo "make lint     ruff check and ruff format --check (CI runs both; ruff format . fixes the format)"
 	@echo "make install  create VENV and install torch and the project (train and test do it first)"
 	@echo "make gpu      on a lent GPU machine: the prepared call of lab/device/ (OUT: where its table goes)"
@@ -85,6 +86,12 @@ plot: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# The fast lane, for a developer between edits: the product's tests (tests/) not marked slow (those
+# start processes: trainers, torchrun, scripts; or compile). tests/unit/test_fast_lane.py holds that
+# it still imports every module of the package; `make test` (CI) runs everything, lab/tests too.
+test-fast: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests $(PYTEST_ARGS)
 
 # Lint and format check, as CI runs them (the pinned ruff of the test extra, pyproject.toml [tool.ruff]).
 lint: $(STAMP)

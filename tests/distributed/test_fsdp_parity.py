@@ -22,6 +22,7 @@ COMMON = tiny_run(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "multi",
     [
@@ -140,6 +141,7 @@ def _accum_worker(rank: int, world_size: int, store: str, out: str) -> None:
         destroy_process_groups()
 
 
+@pytest.mark.slow
 def test_gradient_sync_on_last_micro_batch_only(tmp_path):
     import json
 

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.utils import REPO, read_metrics, tiny_run
 
 
@@ -17,6 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_node_rendezvous_on_localhost(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     args = tiny_run(training__steps=3, job__dump_folder=tmp_path / "run")

@@ -136,6 +136,7 @@ def assert_same_training(ref: Path, got: Path, rel: float = 1e-4) -> None:
     assert a[5]["loss"] < a[1]["loss"]  # the losses must move, or equality would prove nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, ref",
     [("fsdp2", "ref"), ("hsdp2x2", "ref"), ("ep2_fsdp2", "ref"), ("ep2_dp2", "ref"), ("fsdp2_static", "ref_static")],
@@ -149,12 +150,14 @@ def test_parallel_run_matches_one_process(runs, name, ref):
         assert step_total(first, "all_gather", "core.experts") > 0
 
 
+@pytest.mark.slow
 def test_static_shapes_that_drop_nothing_train_as_counted_segments_do(runs):
     """Segment slots and packed positions with room for every segment compute what the counted segments
     compute (their sums run in another order)."""
     assert_same_training(runs("ref"), runs("ref_static"))
 
 
+@pytest.mark.slow
 def test_core_all_gather_bytes_do_not_grow_with_n_loops(runs):
     """The recurrent core is one FSDP unit, gathered once per step whatever the loop count."""
     two = read_comm_counts(runs("fsdp2") / "comm_counts.jsonl")
@@ -169,6 +172,7 @@ def test_core_all_gather_bytes_do_not_grow_with_n_loops(runs):
     assert two[0]["all_gather"]["coda.layers.0"] == 2 * two[0]["reduce_scatter"]["coda.layers.0"]
 
 
+@pytest.mark.slow
 def test_fp8_all_gather_tracks_fp8_run_and_moves_fp8(runs):
     """fp8 all-gather (fp32 parameters on CPU): same losses as the fp8 run without it; the dense
     blocks (converted linears + tiny norms) gather 1 byte per weight instead of 4."""
@@ -253,6 +257,7 @@ def _gradient_worker(rank: int, world_size: int, store: str, layouts: list[list[
         destroy_process_groups()
 
 
+@pytest.mark.slow
 def test_gradients_match_one_process():
     """Every parameter's gradient (experts, router, all aux-loss paths) and the clipped-norm input
     under EP x FSDP and EP x HSDP equal the one-process gradient of the same four micro-batches."""
@@ -384,6 +389,7 @@ def _routing_replay_worker(rank: int, world_size: int, store: str, mode: str) ->
         destroy_process_groups()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ties", "reroute"])
 def test_recompute_replays_routing_under_expert_parallel(mode):
     with tempfile.TemporaryDirectory() as tmp:

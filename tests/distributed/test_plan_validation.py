@@ -93,6 +93,7 @@ def _measure(rank: int, world_size: int, store: str, argv: list[str], out: str) 
         trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_plan_matches_a_real_step(name, tmp_path, monkeypatch):
     nprocs, extra = LAYOUTS[name]

@@ -7,6 +7,7 @@ import pytest
 from tests.utils import DEBUG_DENSE, check_ok, read_metrics, run_train, tiny_run, train_losses
 
 
+@pytest.mark.slow
 def test_help_exits_zero():
     proc = run_train(["--help"], timeout=120)
     check_ok(proc)
@@ -29,6 +30,7 @@ FEATURES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, name, nprocs", FEATURES, ids=[f[1] for f in FEATURES])
 def test_feature_runs(overrides, name, nprocs, tmp_path):
     dump = tmp_path / name

@@ -16,6 +16,7 @@ from tests.utils import check_ok, run_train, tiny_run, train_losses
 BASE = tiny_run(training__seq_len=256, training__local_batch_size=8, training__steps=6, model__segment_capacity=1.5)
 
 
+@pytest.mark.slow
 def test_a_run_the_graph_cannot_serve_is_refused_naming_what_it_lacks(tmp_path):
     proc = run_train(
         BASE
@@ -51,6 +52,7 @@ def test_the_outputs_travel_as_one_flat_copy_and_come_back_whole():
         assert torch.equal(back[key], aux[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "extra",

@@ -127,6 +127,7 @@ def one_line(err: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(CASES))
 def test_fuzzed_file(case, base, tmp_path, in_process, capsys):
     run, loss3 = base

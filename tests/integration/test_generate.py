@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from spider_titan import registry
@@ -28,6 +29,7 @@ def run_generate(flags: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_generate_cli_matches_the_library(tmp_path):
     spec = registry.get("model", "dense")
     args = spec.build_args("debug", {"n_layers": 1})
@@ -58,6 +60,7 @@ def test_generate_cli_matches_the_library(tmp_path):
     assert proc.stdout == "hello" + expected.decode("utf-8", errors="replace") + "\n"
 
 
+@pytest.mark.slow
 def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
     """No export step needed: a run folder, its checkpoint folder and a step folder load the newest
     (or that) checkpoint's weights, and sample what the run's own fp32 export samples. The end-of-run
@@ -96,6 +99,7 @@ def test_generate_straight_from_a_runs_checkpoint_equals_its_export(tmp_path):
     assert older.core.extra_loop_gain.tolist() == [1.0] * 4
 
 
+@pytest.mark.slow
 def test_loops_with_calibrated_gain_0_are_skipped_with_one_line(tmp_path, monkeypatch):
     """``--n_loops 4`` on a Spider trained at 2 whose calibration set loops 3 and 4 to gain 0: one
     line says they are skipped, and the bytes are those of all 4 loops run (the library with

@@ -272,6 +272,7 @@ def test_hostile_input(row, tmp_path, in_process, capsys):
 # ---------------------------------------------------------------- rows that need a real process
 
 
+@pytest.mark.slow
 def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_path):
     """lr 1e6: the run stops with exit 1 and one line naming the step and the last good checkpoint;
     no checkpoint on disk holds a non-finite tensor; the same command resumes from that one."""
@@ -311,6 +312,7 @@ def test_diverged_run_keeps_its_good_checkpoints_and_resumes_from_the_last(tmp_p
     assert sorted((dump / "checkpoint").glob("step-*")) == saved
 
 
+@pytest.mark.slow
 def test_two_ranks_stop_together_at_a_diverged_step(tmp_path):
     """FSDP over 2 ranks: both ranks see the same bad step and stop there; one line, exit 1."""
     dump = tmp_path / "run"
@@ -359,6 +361,7 @@ def test_skip_nonfinite_steps_skips_then_stops(tmp_path, in_process, capsys, mon
     assert "3 non-finite steps in a row, training.skip_nonfinite_steps = 2" in lines[0]
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused(tmp_path, in_process, capsys):
     dense = tmp_path / "dense"
     check_ok(
@@ -436,6 +439,7 @@ def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, time
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     dump = tmp_path / "run"
     cmd = (
@@ -477,6 +481,7 @@ def test_kill_9_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert kept  # the checkpoint resumed from was complete when the crash came
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_saves_and_resumes(tmp_path):
     """Preemption: the step finishes, a checkpoint is written, exit 143; the same command resumes."""
     dump = tmp_path / "run"
@@ -510,6 +515,7 @@ def test_sigterm_mid_run_saves_and_resumes(tmp_path):
 # ---------------------------------------------------------------- checkpoints any tool can read
 
 
+@pytest.mark.slow
 def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -572,6 +578,7 @@ def _without_dac_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+@pytest.mark.slow
 def test_read_only_dump_folder(tmp_path):
     """A dump folder this user cannot write: refused at start-up (exit 2, before anything is built), one
     line naming it, EACCES and the key to change."""
@@ -1186,6 +1193,7 @@ def test_generate_on_cuda_without_cuda(export_dir, in_process, capsys):
     assert "--device cpu" in lines[0]
 
 
+@pytest.mark.slow
 def test_generate_takes_any_prompt_bytes(export_dir, tmp_path, in_process, capsys, monkeypatch):
     """A non-UTF-8 argument as the OS passes it (a real process), and the same bytes from a file or
     stdin (in this process), give the same greedy sample; invalid UTF-8 shows as U+FFFD."""
@@ -1207,6 +1215,7 @@ def test_generate_takes_any_prompt_bytes(export_dir, tmp_path, in_process, capsy
     assert _script_main("generate", flags + ["--prompt_file", "-"], capsys)[:2] == (0, shown)
 
 
+@pytest.mark.slow
 def test_disk_full_on_a_real_tmpfs(tmp_path, in_process, capsys):
     """The real thing where a mount is allowed (root with CAP_SYS_ADMIN): a 5 MB tmpfs holds the first
     3.2 MB checkpoint but not the second; torch reports "unexpected pos", the run names ENOSPC."""

@@ -9,6 +9,7 @@ from tests.utils import check_ok, run_train, tiny_run, train_losses
 COMMON = tiny_run(training__steps=3)
 
 
+@pytest.mark.slow
 def test_triton_backend_losses_match_torch_backend(tmp_path):
     torch_run = run_train(COMMON + ["--moe.backend", "torch", "--job.dump_folder", str(tmp_path / "torch")])
     check_ok(torch_run)

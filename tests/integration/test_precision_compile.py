@@ -61,6 +61,7 @@ COMPILE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend, balance, n_loops, ac, capacity, steps",
     COMPILE_CASES,

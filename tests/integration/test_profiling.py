@@ -10,6 +10,7 @@ from spider_titan.config.manager import ConfigError, parse_args
 from tests.utils import DEBUG_SPIDER, REPO, check_ok, run_train, tiny_run
 
 
+@pytest.mark.slow
 def test_profiled_run_writes_a_trace_of_its_window(tmp_path):
     dump = tmp_path / "run"
     proc = run_train(

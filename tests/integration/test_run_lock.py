@@ -36,6 +36,7 @@ def holder_pid(dump) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
     dump = tmp_path / "run"
     cmd = [
@@ -105,6 +106,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
     assert proc.returncode == 0 and (dump / "metrics.png").is_file(), (plot, proc.stderr)
 
 
+@pytest.mark.slow
 def test_two_ranks_both_stop_on_a_folder_in_use(tmp_path):
     """Rank 0 finds the lock held; rank 1 learns it from the broadcast and stops too, no hang."""
     dump = tmp_path / "run"
@@ -123,6 +125,7 @@ def test_two_ranks_both_stop_on_a_folder_in_use(tmp_path):
     assert not (dump / "config.toml").exists()
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog):
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True

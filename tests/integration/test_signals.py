@@ -195,6 +195,7 @@ def worker_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} among {children}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
     reason="finds torchrun's workers through /proc/<pid>/task/<tid>/children",
@@ -241,6 +242,7 @@ sys.exit(train.main())
 """
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_final_export_exits_0_with_the_checkpoint_and_the_command(tmp_path, in_process, capsys):
     """A finished run interrupted inside its export: exit 0, the final checkpoint saved, one line
     saying the export is incomplete with the command that writes it; the previous export stays

@@ -34,6 +34,7 @@ def test_victim_trains_for_a_long_time(in_process):
         )
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_suite(tmp_path):
     dump = tmp_path / "victim"
     proc = subprocess.Popen(

@@ -93,6 +93,7 @@ def test_recompute_replays_the_forward_routing(mode, option, monkeypatch):
         torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_the_memory_budget_is_set_for_the_compiler_and_reset_by_every_other_mode():
     """``memory_budget`` hands its budget to torch.compile's partitioner (a process-wide setting); a
     later build with another mode sets torch's default back, so no budget leaks into the next run."""
@@ -112,6 +113,7 @@ def test_the_memory_budget_is_set_for_the_compiler_and_reset_by_every_other_mode
         torch._functorch.config.unsafe_treat_script_objects_as_zero_size = False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_selection", [True, False])
 def test_under_a_memory_budget_the_moe_top_k_is_saved_not_recomputed(save_selection):
     """A compiled memory budget lets the partitioner recompute any op in backward, and it does recompute

@@ -28,6 +28,7 @@ def test_named_glue_is_compiled_in_place_and_a_missing_module_is_skipped(predict
     assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints and exports keep their keys
 
 
+@pytest.mark.slow
 def test_compiled_byte_ngrams_equal_eager():
     """The n-gram hash's int64 arithmetic compiled by Inductor gives the eager buckets and rows exactly."""
     import torch

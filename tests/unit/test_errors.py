@@ -91,6 +91,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.slow
 def test_a_real_safetensors_write_to_a_full_disk(small_tmpfs):
     """4 MiB into 2 MiB: safetensors deletes its partial file, so the disk has room again afterwards and
     only the error's text tells ENOSPC (the free-space test alone would miss it)."""

@@ -73,6 +73,7 @@ def trained(tmp_path_factory):
     return trainer.run.model.eval(), dump
 
 
+@pytest.mark.slow
 def test_export_loads_with_safetensors_alone(trained):
     model, dump = trained
     proc = subprocess.run(
@@ -103,6 +104,7 @@ def test_model_from_export_gives_the_same_logits(trained):
         assert torch.equal(fresh(x).logits, model(x).logits)
 
 
+@pytest.mark.slow
 def test_script_exports_bf16_shards(trained, tmp_path):
     model, dump = trained
     out = tmp_path / "bf16"
@@ -138,6 +140,7 @@ def test_script_exports_bf16_shards(trained, tmp_path):
     assert read_export_config(out)["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_script_reports_a_missing_checkpoint(tmp_path):
     proc = subprocess.run(
         [
@@ -273,6 +276,7 @@ def export_script(checkpoint, out) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_script_refuses_the_checkpoint_folder_and_the_run_folder(trained):
     """The two commands that deleted a run's checkpoints (and its config and metrics) exit 1 with
     one line naming the folder and the fix, and leave every byte of the run as it was."""
@@ -434,6 +438,7 @@ def test_script_on_a_full_disk_says_so_in_one_line(trained, tmp_path, monkeypatc
     assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ex"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("make") is None or sys.prefix == sys.base_prefix, reason="needs make and a venv")
 def test_make_sample_reads_the_run_of_config_and_args(trained):
     """`make sample` with CONFIG and ARGS finds the run's folder as the trainer does, and the sample
@@ -566,6 +571,7 @@ write_export(full_model_state_dict(model), ModelIdentity.of("dense", "debug", ar
 """
 
 
+@pytest.mark.slow
 def test_an_export_killed_mid_write_is_cleaned_up_by_the_next(tmp_path, caplog):
     """kill -9 mid-write leaves the previous export whole and a temporary sibling; the next export
     into that folder deletes the sibling (its writer's lock died with it) and nothing else."""

@@ -92,12 +92,14 @@ def _child(body: str, interpret: bool) -> object:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_autotunes_once_as_the_row_count_moves():
     torchao_key, converter_key = _child(_MISSES, interpret=True)
     assert torchao_key == 3  # the negative control: one autotune per new row count
     assert converter_key == 1
 
 
+@pytest.mark.slow
 def test_kept_configs_do_not_spill_on_sm90():
     ok, why = _ptxas_available()
     if not ok:

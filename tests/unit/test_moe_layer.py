@@ -299,6 +299,7 @@ def test_layer_bf16_runs_and_is_close():
     torch.testing.assert_close(y16.float(), y32, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.slow
 def test_compiles_fp32():
     """torch.compile traces the layer in fp32 (torch's _grouped_mm meta kernel alone allows only bf16)."""
     moe = make_moe(align=16)
@@ -349,6 +350,7 @@ def test_experts_run_in_autocast_dtype(device, align, monkeypatch):
     assert torch.isfinite(xx.grad).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True])
 def test_router_stays_fp32_under_autocast(compiled):
     """The router's scores under bf16 autocast are the fp32 scores to the bit, eager and compiled

@@ -190,6 +190,7 @@ def test_layer_bf16():
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [TORCH, TRITON], ids=["torch", "triton"])
 def test_layer_compiles_fullgraph(backend):
     """torch.compile(fullgraph=True) traces the whole layer, forward and backward, with either
@@ -260,6 +261,7 @@ def test_bad_inputs_raise():
         TRITON.reduce(y_exp[1:], torch.rand(4, 2, device=DEVICE), rmap)
 
 
+@pytest.mark.slow
 def test_import_without_triton_fails_only_on_construction():
     code = (
         "import sys; sys.modules['triton'] = None\n"

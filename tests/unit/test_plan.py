@@ -109,6 +109,7 @@ def test_activation_estimate_matches_the_real_count(mode, option):
     assert planned.bytes == pytest.approx(real_activation_bytes(cfg), rel=0.15)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,backend,budget",
     [
@@ -159,6 +160,7 @@ def test_learned_segmentation_is_planned_at_the_target_rate():
     assert gpu.bytes < planned.bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ngrams", [[], [3, 4]], ids=["plain", "byte_ngrams"])
 def test_spider_is_planned_under_a_memory_budget(ngrams):
     """Under a compiled memory budget the trainer saves the MoE top-k in a selective-checkpoint region
@@ -301,6 +303,7 @@ def test_the_1gpu_config_is_the_planners_pick_and_its_plan_matches_the_h200():
     # test_the_plan_finds_the_largest_memory_budget_that_fits, at debug size; its 1B figures: docs/benchmarks.md)
 
 
+@pytest.mark.slow
 def test_the_plan_finds_the_largest_memory_budget_that_fits():
     """Where checkpointing is needed and blocks are compiled, the plan bisects over plan.BUDGETS for the
     largest compiled memory budget that fits: it fits, the next larger does not, it recomputes no more

@@ -302,6 +302,7 @@ def test_empty_standard_input_is_a_one_line_error(tmp_path, monkeypatch, stdin_j
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stdin_jsonl", [False, True])
 def test_the_script_on_empty_standard_input_prints_one_line_and_exits_1(tmp_path, stdin_jsonl):
     args = [sys.executable, str(SCRIPT), "--input", "-", "--out", str(tmp_path / "out")]
