@@ -9,7 +9,7 @@ from tests.utils import DEBUG_DENSE, check_ok, read_metrics, run_train, tiny_run
 
 @pytest.mark.slow
 def test_help_exits_zero():
-    proc = run_train(["--help"], timeout=120)
+    proc = run_train(["--help"], timeout=600)
     check_ok(proc)
     assert "--training.seq_len" in proc.stdout
 

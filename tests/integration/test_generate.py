@@ -24,7 +24,7 @@ def run_generate(flags: list[str]) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 

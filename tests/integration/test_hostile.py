@@ -431,7 +431,7 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while not ready():
         assert proc.poll() is None, f"exited {proc.returncode} before {what}"
@@ -499,7 +499,7 @@ def test_sigterm_mid_run_saves_and_resumes(tmp_path):
     try:
         _wait_for(proc, lambda: (dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 3, "three steps")
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
@@ -1203,7 +1203,7 @@ def test_generate_takes_any_prompt_bytes(export_dir, tmp_path, in_process, capsy
         [sys.executable, "scripts/generate.py", *flags, "--prompt", prompt],
         cwd=REPO,
         capture_output=True,
-        timeout=120,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert by_arg.returncode == 0 and by_arg.stderr == b"", by_arg.stderr

@@ -61,7 +61,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 600
         while holder_pid(dump) != first.pid:
             assert first.poll() is None and time.time() < deadline, "the first run never held the lock"
             time.sleep(0.05)
@@ -70,7 +70,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
         first.send_signal(signal.SIGSTOP)
         try:
             t0 = time.perf_counter()
-            second = run_train(cmd, timeout=120)
+            second = run_train(cmd, timeout=600)
             second_s = time.perf_counter() - t0
         finally:
             first.send_signal(signal.SIGCONT)
@@ -99,7 +99,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_once(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=False,
         env={**os.environ, "PATH": "/usr/bin:/bin"},
     )
@@ -112,7 +112,7 @@ def test_two_ranks_both_stop_on_a_folder_in_use(tmp_path):
     dump = tmp_path / "run"
     lock = RunLock.acquire(dump)
     try:
-        proc = run_train([*ARGS, "--training.steps", "2", "--job.dump_folder", str(dump)], nprocs=2, timeout=180)
+        proc = run_train([*ARGS, "--training.steps", "2", "--job.dump_folder", str(dump)], nprocs=2, timeout=600)
     finally:
         lock.release()
     assert proc.returncode != 0

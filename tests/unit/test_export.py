@@ -80,7 +80,7 @@ def test_export_loads_with_safetensors_alone(trained):
         [sys.executable, "-c", LOAD_ALONE, str(dump / "export" / "model.safetensors")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     expected = model.state_dict()
@@ -124,7 +124,7 @@ def test_script_exports_bf16_shards(trained, tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / INDEX_FILE).read_text())
@@ -154,7 +154,7 @@ def test_script_reports_a_missing_checkpoint(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 1
     expected = f"export_safetensors: error: checkpoint: {tmp_path / 'none'} does not exist"
@@ -271,7 +271,7 @@ def export_script(checkpoint, out) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=False,
     )
 
@@ -461,7 +461,7 @@ def test_make_sample_reads_the_run_of_config_and_args(trained):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
@@ -626,6 +626,6 @@ def test_a_second_export_into_a_folder_waits_for_the_first(tmp_path, caplog):
             assert not done.wait(1.0) and not (tmp_path / "e").exists()
         finally:
             os.close(holder)
-        thread.join(timeout=60)
+        thread.join(timeout=600)
     assert done.is_set() and (tmp_path / "e" / "model.safetensors").is_file()
     assert "waiting for another export being written in" in caplog.text
