@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from spider_titan.checkpoint.export import load_export_tensors, read_export_config
-from tests.utils import REPO, TINY_SPIDER, read_metrics
+from tests.utils import REPO, read_metrics, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -58,17 +58,9 @@ sys.exit(train.main())
 """
 
 STEPS, INTERVAL = 6, 3
-ARGS = [
-    *TINY_SPIDER,
-    "--training.steps",
-    str(STEPS),
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    str(INTERVAL),
-    "--checkpoint.export_at_end",
-    "true",
-]
+ARGS = tiny_run(
+    training__steps=STEPS, checkpoint__enable=True, checkpoint__interval=INTERVAL, checkpoint__export_at_end=True
+)
 
 
 def free_port() -> int:

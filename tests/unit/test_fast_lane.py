@@ -98,6 +98,7 @@ def references(nodes: list[ast.AST], name: str, is_package: bool, modules: dict[
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 # "spider_titan.x", "spider_titan.x:name" (loaded by importlib), "python -m spider_titan.x"
                 words = re.findall(rf"-m\s+({PACKAGE}(?:\.\w+)+)", node.value)
+                words += [f"{w}.__main__" for w in words]  # python -m a package runs its __main__
                 words.append(node.value.partition(":")[0])
                 for word in words:
                     if word in modules:
