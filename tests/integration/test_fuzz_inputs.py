@@ -325,6 +325,7 @@ def fuzz_root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case_id, make", CASES, ids=[c for c, _ in CASES])
+@pytest.mark.slow  # a trainer start per fuzzed case
 def test_fuzzed_input_ends_in_one_clean_line(case_id, make, fuzz_root, in_process, capsys, corpus_cache, monkeypatch):
     from spider_titan.data import loader
 

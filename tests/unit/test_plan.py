@@ -225,6 +225,7 @@ def test_cli_reports_a_config_problem_in_one_line(capsys):
     assert err and all(line.startswith("config error: parallelism") for line in err)
 
 
+@pytest.mark.slow  # the 1B plan in process: minutes on two cores
 def test_1b_plan_at_8_gpus_is_in_the_hand_estimate_range_and_fits():
     config = ["--job.config_file", str(REPO / "train_configs" / "spider_1b.toml")]
     # the hand estimate's micro-batch, 4 x 4096 bytes with 4 accumulated (the config ships 16 x 1)
@@ -270,6 +271,7 @@ def test_1b_plan_at_8_gpus_is_in_the_hand_estimate_range_and_fits():
     assert largest_micro_batch(dataclasses.replace(plan, gpu_memory_bytes=4 * GIB), cfg) is None
 
 
+@pytest.mark.slow  # the 1B plan in process: minutes on two cores
 def test_the_1gpu_config_is_the_planners_pick_and_its_plan_matches_the_h200():
     """spider_1b_1gpu.toml ships the largest micro-batch the planner finds room for on one 80 GiB GPU.
     Two rows of run C (docs/benchmarks.md), measured on an H200 without FSDP at the config's shapes,

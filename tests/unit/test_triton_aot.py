@@ -151,6 +151,7 @@ def aot_1b_rows() -> list[dict]:
     return compile_report((a.dim, a.n_experts, a.top_k))
 
 
+@pytest.mark.slow  # AOT-compiles every MoE kernel at the 1B shapes
 def test_moe_kernels_compile_without_spills_at_1b_shapes(aot_1b_rows):
     print("\n" + format_table(aot_1b_rows))
     # 3 routing-map kernels (no row dtype) + 5 data-path variants per row dtype, each aligned and not, per arch
