@@ -67,7 +67,6 @@ def main_thread_events(host: list) -> list:
 def measure(dump: str, out: str) -> None:
     """The walk in this (fresh) process; writes what the test asserts to ``out`` as JSON."""
     from lab.bench.launches import count_launches, host_events, outside_forward_backward
-
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 
@@ -105,7 +104,7 @@ def measure(dump: str, out: str) -> None:
     messages = _Messages()
     logging.getLogger("torch._dynamo").addHandler(messages)
     torch._logging.set_logs(recompiles=True)
-    # the generated kernels record themselves, so the profiled last step counts them (bench_gpu.py)
+    # the generated kernels record themselves, so the profiled last step counts them (lab/bench/launches.py)
     torch._inductor.config.cpp.enable_kernel_profile = True
     trainer = Trainer(parse_args(argv, env={}))
     threshold = trainer.run.model.boundary_predictor.threshold
@@ -154,7 +153,7 @@ def test_no_recompile_after_warmup_from_the_cap_down_to_3_bytes_and_back(tmp_pat
     result = json.loads(out.read_text())
     launches, graphed, rates = result["launches"], result["graphed"], result["rates"]
     print("\nlaunches per step:", launches)
-    # What a GPU would launch for this step (bench_gpu.count_launches): 893 measured (508 ops outside
+    # What a GPU would launch for this step (lab.bench.launches.count_launches): 893 measured (508 ops outside
     # compiled code, 385 inside 16 compiled regions, the boundary predictor's and the byte n-grams' forward
     # and backward four of them; torch 2.13 CPU inductor), docs/benchmarks.md.
     assert launches["regions"] == 16 and launches["launched"] <= LAUNCH_BOUND, launches
