@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spider_titan.cli import ArgumentParser, at_least, quiet_stdout_errors
@@ -36,10 +37,13 @@ from spider_titan.generation import (
     effective_loops,
     generate,
     load_model,
+    model_spec,
     resolve_device,
     uses_cache,
 )
 from spider_titan.protocol import DTYPES
+from spider_titan.training.ttt import TTTSettings, adapt_on_prompt
+from spider_titan.vocab import BOS_ID
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="a session: each line you type is appended (without its newline) and the model's "
         "continuation streams; an empty line continues, /reset starts a new document, Ctrl-D ends",
+    )
+    p.add_argument(
+        "--ttt",
+        action="store_true",
+        help="test-time training: adapt LoRA adapters on the prompt, chunk by chunk, before sampling "
+        "(spider_titan/training/ttt.py, its default settings); the report names what was adapted",
     )
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context for every byte (the reference)")
     p.add_argument(
@@ -122,6 +132,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_sampling(temperature=args.temperature, top_k=args.top_k, max_new_bytes=args.max_new_bytes, top_p=args.top_p)
     if args.n_loops is not None:
         at_least(1, "--n_loops", args.n_loops, "core loops at generation")
+    if args.ttt and args.interactive:
+        raise ValueError("--ttt adapts on the prompt before sampling; it does not combine with --interactive")
     if not Path(args.model).exists():
         raise FileNotFoundError(
             f"--model {args.model} does not exist; give an export folder (scripts/export_safetensors.py) or a run folder"
@@ -143,6 +155,8 @@ def _main(argv: list[str] | None) -> None:
             print(f"generate: --n_loops {args.n_loops}: {skipped_loops(run_loops, args.n_loops)}", file=sys.stderr)
         if args.interactive:
             return interactive(model, args, prompt)
+        if args.ttt:
+            adapt(model, prompt, context_len=config["model"]["args"].get("max_seq_len"), device=device)
         t0 = time.perf_counter()
         out = generate(
             model,
@@ -170,6 +184,27 @@ def _main(argv: list[str] | None) -> None:
         )
     # bytes -> text for the terminal; invalid UTF-8 (in the prompt or drawn) shows as U+FFFD
     print((prompt + out).decode("utf-8", errors="replace"))
+
+
+def adapt(model, prompt: bytes, *, context_len: int | None, device: torch.device) -> None:
+    """``--ttt``: the model's adapters learn from ``[BOS] + prompt`` (score-first, chunk by chunk) and stay
+    on it for the sampling; one report line on stderr."""
+    spec = model_spec(model)
+    if spec is None:
+        raise ValueError(f"--ttt: a {type(model).__name__} is no registered model")
+    seq_len = min(context_len or TTTSettings.chunk_bytes, 1024)
+    settings = TTTSettings(chunk_bytes=min(TTTSettings.chunk_bytes, seq_len))
+    tokens = np.frombuffer(prompt, dtype=np.uint8).astype(np.int64)
+    _, scores = adapt_on_prompt(
+        model, spec, np.concatenate([[BOS_ID], tokens]), settings, seq_len=seq_len, device=device
+    )
+    print(
+        f"generate: test-time training on the prompt ({len(prompt)} bytes, {scores.ce.numel()} chunks of "
+        f"{settings.chunk_bytes}, {settings.steps} step each, lr {settings.lr:g}, rank {settings.rank}) in "
+        f"{scores.seconds:.2f} s; prompt bpb {scores.bpb:.3f} as it was read; adapted {len(scores.adapted)} "
+        f"linears: {', '.join(scores.adapted)}",
+        file=sys.stderr,
+    )
 
 
 class TerminalText:

@@ -124,6 +124,12 @@ MISTAKES = [
         ["--max_new_bytes -1: must be >= 0"],
     ),
     Mistake("generate-top-k", "generate", ["--model", "{root}/dense", "--top_k", "300", *G], ["--top_k 300"]),
+    Mistake(
+        "generate-ttt-interactive",
+        "generate",
+        ["--model", "{root}/dense", "--ttt", "--interactive", *G],
+        ["does not combine with --interactive"],
+    ),
     Mistake("generate-temperature", "generate", ["--model", "{root}/dense", "--temperature", "-1", *G], ["finite"]),
     Mistake(
         "generate-no-cuda",

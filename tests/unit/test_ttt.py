@@ -151,6 +151,12 @@ def test_adapt_on_prompt_keeps_the_adapters_until_removed(model):
     assert int(scores.count.sum()) == prompt.size - 1
     with torch.no_grad():
         assert not torch.allclose(m(ids).logits, base)
+    # The cached decoder runs the adapted model as the full forward does: the same greedy bytes.
+    from spider_titan.generation import generate
+
+    text = bytes(prompt[1:].astype(np.uint8).tolist())
+    greedy = dict(max_new_bytes=12, temperature=0.0, context_len=256)
+    assert generate(m, text, use_cache=True, **greedy) == generate(m, text, use_cache=False, **greedy)
     adapters.remove()
     with torch.no_grad():
         assert torch.equal(m(ids).logits, base)
