@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--interactive",
         action="store_true",
-        help="a session: each line you type is appended (without its newline) and the model's "
+        help="a conversation: each line you type is appended (without its newline) and the model's "
         "continuation streams; an empty line continues, /reset starts a new document, Ctrl-D ends",
     )
     p.add_argument(
@@ -224,7 +224,7 @@ class TerminalText:
 
 
 def interactive(model, args: argparse.Namespace, prompt: bytes) -> None:
-    """The ``--interactive`` session on stdin/stdout (the prompt, when given, is the first turn);
+    """The ``--interactive`` conversation on stdin/stdout (the prompt, when given, is the first turn);
     after each turn a line on stderr: bytes, bytes/s, cached or not, loops, room left. Ctrl-C ends
     it where it is (:func:`main` exits 130, without a traceback)."""
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
