@@ -336,32 +336,12 @@ class DocumentEvaluator:
 
 
 def score_documents(
-    model: nn.Module,
-    spec: ModelSpec,
-    docs: Sequence[np.ndarray],
-    *,
-    seq_len: int,
-    ttt: TTTSettings | None,
-    chunk_bytes: int | None = None,
-    batch_size: int = 8,
-    device: torch.device | str = "cpu",
-    forward_kwargs: dict[str, Any] | None = None,
-    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    model: nn.Module, spec: ModelSpec, docs: Sequence[np.ndarray], *, ttt: TTTSettings | None, **options: Any
 ) -> ChunkScores:
-    """:class:`DocumentEvaluator` in one call: ``ttt=None`` is plain evaluation over the same windows
-    (``chunk_bytes``, default ``seq_len``, sets them; with ``ttt`` its own ``chunk_bytes`` does)."""
-    evaluator = DocumentEvaluator(
-        model,
-        spec,
-        seq_len=seq_len,
-        ttt=ttt,
-        chunk_bytes=chunk_bytes,
-        batch_size=batch_size,
-        device=device,
-        forward_kwargs=forward_kwargs,
-        autocast=autocast,
-    )
-    return evaluator.score(docs)
+    """:class:`DocumentEvaluator` (``seq_len`` and its other keywords in ``options``) in one call: ``ttt=None``
+    is plain evaluation over the same windows (``chunk_bytes``, default ``seq_len``, sets them; with ``ttt``
+    its own ``chunk_bytes`` does)."""
+    return DocumentEvaluator(model, spec, ttt=ttt, **options).score(docs)
 
 
 def adapt_on_prompt(
