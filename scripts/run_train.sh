@@ -27,12 +27,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 
-if [[ -z "${NGPU:-}" ]]; then
-    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
-fi
+refuse() { echo "run_train.sh: $1" >&2; exit 2; }
+whole() { [[ "$2" =~ ^[0-9]+$ ]] && (( $2 >= $3 )) || refuse "$1=$2 is not a whole number >= $3 (e.g. $1=$4)"; }
+
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 RDZV_ID=${RDZV_ID:-spider_titan}
+whole NNODES "$NNODES" 1 2
+whole NODE_RANK "$NODE_RANK" 0 0
+(( NODE_RANK < NNODES )) || refuse "NODE_RANK=$NODE_RANK is outside 0..$((NNODES - 1)) (NNODES=$NNODES)"
+if [[ -n "${RDZV_ENDPOINT:-}" && ! "$RDZV_ENDPOINT" =~ ^[^:]+:[0-9]+$ ]]; then
+    refuse "RDZV_ENDPOINT=$RDZV_ENDPOINT is not host:port (e.g. RDZV_ENDPOINT=10.0.0.1:29500)"
+fi
+if [[ -n "${NGPU:-}" ]]; then
+    whole NGPU "$NGPU" 1 8
+else
+    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
+fi
 
 args=("$@")
 if [[ " ${args[*]-} " != *" --job.config_file"* ]]; then
@@ -42,20 +53,14 @@ fi
 if [[ "$NNODES" == 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
     launch=(--standalone --nnodes 1)
 else
-    if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
-        echo "run_train.sh: NNODES=$NNODES needs RDZV_ENDPOINT=host:port of node 0" >&2
-        exit 2
-    fi
+    [[ -n "${RDZV_ENDPOINT:-}" ]] || refuse "NNODES=$NNODES needs RDZV_ENDPOINT=host:port of node 0"
     is_host=$([[ "$NODE_RANK" == 0 ]] && echo 1 || echo 0)
     launch=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID"
             --rdzv-conf "is_host=$is_host")
 fi
 
 if [[ "$NNODES" == 1 ]]; then MAX_RESTARTS=${MAX_RESTARTS:-0}; else MAX_RESTARTS=${MAX_RESTARTS:-3}; fi
-if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
-    echo "run_train.sh: MAX_RESTARTS=$MAX_RESTARTS is not a whole number >= 0 (e.g. MAX_RESTARTS=3)" >&2
-    exit 2
-fi
+whole MAX_RESTARTS "$MAX_RESTARTS" 0 3
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
