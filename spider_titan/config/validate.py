@@ -97,7 +97,8 @@ def model_args_and_problems(cfg: JobConfig) -> tuple[Any, list[str]]:
 def training_problems(cfg: JobConfig, model_args: Any) -> list[str]:
     problems = []
     t = cfg.training
-    bound = registry.get("model", cfg.model.name).training.max_seq_len
+    # an unknown model name or flavor (model_args None) is reported by registry_problems / model_args_problems
+    bound = registry.get("model", cfg.model.name).training.max_seq_len if model_args is not None else None
     max_seq_len = bound(model_args) if bound is not None else None
     if max_seq_len is not None and t.seq_len > max_seq_len:
         source = (
@@ -187,7 +188,7 @@ def parallelism_problems(cfg: JobConfig, model_args: Any, world_size: int) -> li
     par = cfg.parallelism
     dims = ParallelDims.from_config(par, world_size, check=False)
     problems = dims.problems()
-    moe = registry.get("model", cfg.model.name).moe
+    moe = registry.get("model", cfg.model.name).moe if model_args is not None else None
     if moe is not None:
         problem = experts_split_problem(moe.experts(model_args), par.expert_parallel_degree)
         if problem:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spider_titan.parallel.precision import ComputeWeights, matmul_weight_names
 from tests.unit.test_host_syncs import SMALL
+from tests.utils import tiny_run
 
 STEPS = 2
 
@@ -48,7 +49,7 @@ def train(tmp_path, cast_once: bool) -> tuple[list[dict], list[Counter], list[st
     from spider_titan.config.manager import parse_args
     from spider_titan.train import Trainer
 
-    argv = ["--job.config_file", "train_configs/spider_1b.toml", *SMALL]
+    argv = tiny_run(job__config_file="train_configs/spider_1b.toml", **SMALL)
     argv += ["--training.gradient_accumulation_steps", "2", "--training.steps", str(STEPS)]
     argv += ["--job.dump_folder", str(tmp_path / f"cast_once_{cast_once}")]
     trainer = Trainer(parse_args(argv, env={}))

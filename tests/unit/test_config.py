@@ -307,6 +307,7 @@ BAD_VALUES = [
     (["--validation.steps", "0"], "validation.steps"),
     (["--calibration.steps", "0"], "calibration.steps"),
     (["--validation.local_batch_size", "-1"], "validation.local_batch_size"),
+    (["--validation.ttt_max_bytes", "-1"], "validation.ttt_max_bytes"),
 ]
 # Number fields with no Range, and why any value is meaningful (or checked elsewhere).
 UNBOUNDED = {
