@@ -19,7 +19,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from lab.cli import parser as cli_parser
-from lab.cli import refuse
+from lab.cli import refuse, write_whole
 
 PROSE_TAGS = {"p", "li", "blockquote"}
 SECTION_TAGS = {"h1", "h2"}
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     if same:
         raise refuse(PROG, f"--out {args.out}: is the input {same[0]}; write the corpus to another file")
     n_docs = n_bytes = 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.partial")  # renamed when whole: --out is never half a corpus
-    try:
+
+    def write(tmp: Path) -> None:  # --out is replaced only by a whole corpus, and only if it holds prose
+        nonlocal n_docs, n_bytes
         with tmp.open("w", encoding="utf-8") as f:
             for path in args.html:
                 prose = _Prose()
@@ -94,9 +94,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"no prose (<p>, <li>, <blockquote> of 40+ characters) in {len(args.html)} files; "
                 f"--out {args.out} left as it was",
             )
-        os.replace(tmp, args.out)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    write_whole(args.out, write)
     print(f"{args.out}: {n_docs} documents, {n_bytes / 1e6:.2f} MB of prose from {len(args.html)} files")
 
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from lab.cli import check_not_negative, check_positive, parser, refuse
+from lab.cli import check_not_negative, check_positive, parser, refuse, write_whole
 
 
 def page_source(path: Path) -> bytes:
@@ -67,10 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     if groff is None:
         raise refuse(PROG, "groff is not installed (Debian/Ubuntu: apt install groff-base)")
     kept = chars = 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    partial = args.out.with_name(f".{args.out.name}.partial")  # renamed when whole, and only if a page was kept
-    try:
-        with partial.open("w") as out:
+
+    def write(tmp: Path) -> None:  # --out is replaced only by a whole corpus, and only if a page was kept
+        nonlocal kept, chars
+        with tmp.open("w") as out:
             for path in pages(args.folders, args.every, tuple(args.exclude)):
                 source = page_source(path)
                 if source.lstrip().startswith(b".so "):
@@ -89,9 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                 PROG,
                 f"0 pages kept (--every {args.every}, --min_chars {args.min_chars}); --out {args.out} left as it was",
             )
-        os.replace(partial, args.out)
-    finally:
-        partial.unlink(missing_ok=True)
+
+    write_whole(args.out, write)
     print(f"man_to_text: {kept} pages, {chars:,} characters -> {args.out}")
 
 
