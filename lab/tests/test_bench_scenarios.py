@@ -11,6 +11,7 @@ import json
 import pytest
 
 from lab.bench import benchmark
+from lab.overrides import trainer_flags
 from spider_titan import registry
 from spider_titan.models.spider.args import SPIDER_FLAVORS
 
@@ -104,16 +105,33 @@ CHECKS = {
     "comm": check_comm,
     "ep_capacity": check_ep_capacity,
     "kernel_bytes": check_kernel_bytes,
-    "spider_debug_compiled": check_training,
 }
 # several processes each (gloo ranks, torchrun, generate.py twice) or an inductor compile: the full suite runs
 # them, a fast lane need not
-SLOW = {"comm", "ep_capacity", "kernel_bytes", "spider_debug_compiled", "generate"}
+SLOW = {"comm", "ep_capacity", "kernel_bytes", "generate"}
 
 
 def test_every_scenario_is_checked_here():
-    """Each scenario is run by a test: the ones below, and dense_debug with spider_debug (compared)."""
-    assert set(CHECKS) | {"dense_debug", "spider_debug"} == set(benchmark.SCENARIOS) | set(benchmark.TRAIN_SCENARIOS)
+    """Each scenario is run by a test: the ones below, dense_debug with spider_debug (compared), and
+    spider_debug_compiled, which is spider_debug's run with one flag (checked without running it)."""
+    trained = {"dense_debug", "spider_debug", "spider_debug_compiled"}
+    assert set(CHECKS) | trained == set(benchmark.SCENARIOS) | set(benchmark.TRAIN_SCENARIOS)
+
+
+def test_the_compiled_scenario_is_spider_debug_with_compile_on(tmp_path):
+    """spider_debug_compiled runs the same code as spider_debug (run_training, tested below) with
+    ``training.compile`` on, which the trainer's parser takes. Compiling the debug model costs about 100
+    CPU-seconds, so the compiled step is proven once, by tests/integration/test_precision_compile.py and
+    test_recompiles.py, not again here."""
+    from spider_titan.config.manager import parse_args
+
+    config, overrides = benchmark.TRAIN_SCENARIOS["spider_debug_compiled"]
+    assert (config, {**overrides, "training.compile": False}) == (
+        benchmark.TRAIN_SCENARIOS["spider_debug"][0],
+        {**benchmark.TRAIN_SCENARIOS["spider_debug"][1], "training.compile": False},
+    )
+    argv = trainer_flags({"job.config_file": config, "job.dump_folder": tmp_path, **overrides})
+    assert parse_args(argv, env={}).training.compile is True
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CHECKS])

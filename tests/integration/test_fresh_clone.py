@@ -30,6 +30,7 @@ def check_refusal(lines: list[str]) -> None:
     assert f"`{PREPARE}`" in lines[0], lines
 
 
+@pytest.mark.slow  # starts a process
 def test_the_1b_command_on_a_fresh_clone_stops_in_one_line(tmp_path):
     """``python -m spider_titan.train --job.config_file train_configs/spider_1b.toml``, run where the
     repository's files are but no data: exit 2, one line naming the folder and the prepare command,

@@ -282,6 +282,7 @@ def test_sigterm_during_the_final_export_exits_0_with_the_checkpoint_and_the_com
     assert read_export_config(dump / "export")["step"] == 4
 
 
+@pytest.mark.slow  # starts a process
 def test_sigterm_during_the_export_without_checkpoints_finishes_it(tmp_path):
     """Checkpoints off (make train's config): the export is all the run keeps, so a SIGTERM inside it
     lets it finish (here it takes 3 s more), and the run ends with 0 and a loadable export."""
@@ -300,6 +301,7 @@ def test_sigterm_during_the_export_without_checkpoints_finishes_it(tmp_path):
     assert "Traceback" not in run.stderr, run.stderr
 
 
+@pytest.mark.slow  # starts a process
 def test_sigterm_mid_run_without_checkpoints_exports_the_weights(tmp_path):
     """Checkpoints off: a stop mid-run exports the weights of the step it stopped at (exit 143)."""
     dump = tmp_path / "run"
@@ -329,6 +331,7 @@ sys.exit(train.main())
 """
 
 
+@pytest.mark.slow  # starts a process
 def test_ctrl_c_while_closing_is_one_line(tmp_path):
     """A stop (Ctrl-C), then a second Ctrl-C while the process closes: one line, exit 130, no
     KeyboardInterrupt traceback; the first stop's checkpoint is complete."""
@@ -395,6 +398,7 @@ def test_a_second_sigterm_exits_at_once_without_a_traceback_and_keeps_the_last_c
     assert [r["step"] for r in read_metrics(dump) if "loss" in r][-1] == 3
 
 
+@pytest.mark.slow  # starts a process
 def test_sigint_during_start_up_is_one_line(tmp_path):
     """Ctrl-C while the built-in corpus is being built (a fresh cache): one line, exit 130, no
     traceback, and no half-built corpus left in the cache."""
