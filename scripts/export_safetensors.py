@@ -7,8 +7,9 @@
 ``--checkpoint`` is a ``step-<N>`` folder or a folder of them (then the newest complete one), full
 or model-only, saved by any number of ranks; it is read in this one process. It may also be an
 unquantized export, written again (another dtype, or quantized). ``--quantize int8|int4`` stores the
-model's linears weight-only quantized with torchao (quantization/weight_only.py, the rest in bf16 unless
-``--dtype`` says otherwise; docs/benchmarks.md has their quality and size). Above
+model's linears, hashed tables and MoE expert weights weight-only quantized with torchao
+(quantization/weight_only.py, the rest in bf16 unless ``--dtype`` says otherwise; docs/benchmarks.md has their
+quality and size; generate.py dequantizes them once at load unless ``--keep_quantized``). Above
 ``--max_shard_size`` bytes the weights are split into ``model-0000i-of-0000K.safetensors`` files
 with a ``model.safetensors.index.json``. ``--out`` must be new, empty or a previous export (its
 ``.spider_titan_export`` marker), never the checkpoint folder or a folder around it: the export
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantize",
         default="none",
         metavar="|".join(("none", *METHODS)),
-        help="weight-only quantization of the model's linears with torchao (default none)",
+        help="weight-only quantization of the model's linears, tables and experts with torchao (default none)",
     )
     p.add_argument(
         "--max_shard_size",

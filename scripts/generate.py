@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device (default: cuda if available)"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+    p.add_argument(
+        "--keep_quantized",
+        action="store_true",
+        help="an int8 / int4 export's weights stay quantized in memory, dequantized at every use (less memory, "
+        "slower decoding); default: dequantized once at load into --dtype",
+    )
     return p.parse_args(argv)
 
 
@@ -146,7 +152,9 @@ def _main(argv: list[str] | None) -> None:
         check_args(args)
         device = resolve_device(args.device)
         prompt = read_prompt(args)
-        model, config = load_model(Path(args.model), device=device, dtype=DTYPES[args.dtype])
+        model, config = load_model(
+            Path(args.model), device=device, dtype=DTYPES[args.dtype], keep_quantized=args.keep_quantized
+        )
         trained_loops = config["model"]["args"].get("n_loops")
         if args.n_loops is not None and trained_loops is None:
             raise ValueError(f"--n_loops: the model {config['model']['name']!r} has no core loops")

@@ -104,15 +104,22 @@ def weight_files(folder: Path) -> list[Path] | None:
 
 def export_tensor_names(folder: Path) -> set[str] | None:
     """The FQNs an export folder holds (from the safetensors headers, no weights read; a quantized
-    weight counts once, under its module's FQN); None when it holds no weights file."""
+    weight counts once, under its module's FQN); None when it holds no weights file; ValueError naming
+    a file whose header cannot be read (a cut file)."""
     files = weight_files(folder)
     if files is None:
         return None
     names = set()
     for file in files:
-        with safetensors.safe_open(str(file), framework="pt") as f:
-            metadata = f.metadata()
-            names |= set(stored_names(metadata) if is_torchao_header(metadata) else f.keys())
+        try:
+            with safetensors.safe_open(str(file), framework="pt") as f:
+                metadata = f.metadata()
+                names |= set(stored_names(metadata) if is_torchao_header(metadata) else f.keys())
+        except Exception as e:  # safetensors' own error for a cut or overwritten file, a header's bad JSON
+            text = str(e).strip().splitlines()
+            raise ValueError(
+                f"{file}: unreadable ({type(e).__name__}: {text[-1] if text else ''}); restore it or {REEXPORT}"
+            ) from None
     return names
 
 

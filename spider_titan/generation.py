@@ -5,8 +5,9 @@ the model it names through its registry ``ModelSpec``, every tensor, each checke
 damaged by hand is a ValueError naming the file and the key or tensor, which ``scripts/generate.py``
 prints as one line), materialises the model (so buffers that are not saved, such as RoPE tables,
 exist) and loads the tensors strictly: no training state and no file of the run needed. A quantized
-export (``--quantize int8|int4``) gets the same linears quantized first (quantization/weight_only.py),
-then its tensors, torchao's quantized weights among them, are loaded the same strict way. Given a run
+export (``--quantize int8|int4``) gets the same linears and experts quantized first (quantization/weight_only.py),
+then its tensors, torchao's quantized weights among them, are loaded the same strict way, and dequantized once
+into the compute dtype unless ``keep_quantized``. Given a run
 folder, its checkpoint folder or a ``step-<N>`` folder instead, it reads the model's weights straight
 from the DCP checkpoint (the newest complete one), for a quick look during training without an export.
 
@@ -36,7 +37,7 @@ from spider_titan.checkpoint.export import CONFIG_FILE, exported_identity, read_
 from spider_titan.checkpoint.layout import ModelIdentity
 from spider_titan.components.builder import materialize
 from spider_titan.protocol import DTYPES, CachedDecoder, ModelSpec
-from spider_titan.quantization.weight_only import load_quantized, read_method
+from spider_titan.quantization.weight_only import dequantize_weights, load_quantized, read_method
 from spider_titan.vocab import BOS_ID, EOS_ID, VOCAB_SIZE
 
 # ids a sample can draw: the 256 bytes and EOS (the range of top_k)
@@ -74,9 +75,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(
-    path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, keep_quantized: bool = False
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """The model of the export folder ``path`` in eval mode, and its config.json."""
+    """The model of the export folder ``path`` in eval mode, and its config.json. A quantized export's weights
+    are dequantized once into ``dtype`` (speed), or with ``keep_quantized`` stay quantized (memory)."""
     path = Path(path)
     if _is_checkpoint_folder(path):  # a run, its checkpoint folder or a step
         return _load_from_checkpoint(path, device=device, dtype=dtype)
@@ -89,7 +91,10 @@ def load_model(
         if config.get("dtype") not in DTYPES:
             raise ValueError(f"{path / CONFIG_FILE}: dtype {config.get('dtype')!r} is not one of {sorted(DTYPES)}")
         load_quantized(model, tensors, method, dtype=DTYPES[config["dtype"]], where=path)
-    return model.to(device=device, dtype=dtype).eval(), config
+    model = model.to(device=device, dtype=dtype).eval()
+    if method is not None and not keep_quantized:
+        dequantize_weights(model, dtype)
+    return model, config
 
 
 def _is_checkpoint_folder(path: Path) -> bool:

@@ -22,8 +22,8 @@ on the folder, which the kernel drops when its holder dies), so the temporary si
 (``.<name>.tmp-*``, ``.<name>.old-*``) found under that lock were left by a writer that was killed
 (kill -9, power loss): the next export into ``out`` deletes them once ``out`` holds a complete export.
 
-``quantize`` (``scripts/export_safetensors.py --quantize int8|int4``) writes the model's linears and
-hashed tables weight-only quantized with torchao (:func:`quantized_state`, quantization/weight_only.py) and the
+``quantize`` (``scripts/export_safetensors.py --quantize int8|int4``) writes the model's linears,
+hashed tables and MoE expert weights weight-only quantized with torchao (:func:`quantized_state`, quantization/weight_only.py) and the
 rest in ``dtype``; config.json's ``quantization`` names the method, and the readers quantize the same weights
 before loading. A DCP checkpoint or an unquantized export can be its source.
 
@@ -90,6 +90,7 @@ from spider_titan.export_format import (
 from spider_titan.hf.bundle import TOKENIZER_CONFIG, hf_config_keys, is_bundled_file, write_hf_files
 from spider_titan.metrics.logger import shell_command
 from spider_titan.quantization.weight_only import (
+    DamagedQuantizedTensor,
     apply_weight_only,
     check_method,
     flatten_quantized,
@@ -305,8 +306,8 @@ def check_quantizable(name: str, quantize: str) -> None:
 def quantized_state(
     tensors: dict[str, torch.Tensor], identity: ModelIdentity, dtype: torch.dtype, quantize: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model's state with everything in ``dtype`` and its linears and tables, but those its spec keeps
-    (``Inference.quantize_keep_fqns``), quantized with ``quantize``; and config.json's block for it."""
+    """The model's state with everything in ``dtype`` and its linears, tables and expert weights, but those its
+    spec keeps (``Inference.quantize_keep_fqns``), quantized with ``quantize``; and config.json's block for it."""
     spec = registry.get("model", identity.name)
     model = spec.build_on_meta(identity.build_args())
     model.to_empty(device="cpu")  # buffers that are not saved stay unset: only the state is read back
@@ -315,7 +316,9 @@ def quantized_state(
     keep = spec.inference.quantize_keep_fqns
     quantized, kept, skipped = plan_weight_only(model, quantize, keep)
     if not quantized:
-        raise ValueError(f"--quantize {quantize}: no linear or table of the {identity.name!r} model can be quantized")
+        raise ValueError(
+            f"--quantize {quantize}: no linear, table or expert weight of the {identity.name!r} model can be quantized"
+        )
     if skipped:
         logger.info(
             "export: %d weight(s) stay %s, their row width is not a multiple of the int4 group: %s",
@@ -325,7 +328,7 @@ def quantized_state(
         )
     apply_weight_only(model, quantize, quantized)
     logger.info(
-        "export: %d linears and tables quantized to %s, %d kept in %s (%s)",
+        "export: %d linears, tables and expert weights quantized to %s, %d kept in %s (%s)",
         len(quantized),
         quantize,
         len(kept),
@@ -649,7 +652,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the export; ValueError naming the file that cannot be read."""
     try:
         return load_export_tensors(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, DamagedQuantizedTensor):
         raise
     except Exception as e:  # safetensors' own error, bad index JSON, a file the index names but lacks
         files = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []

@@ -9,7 +9,8 @@ export_format.py, the checks spider_titan's own reader makes (checkpoint/export.
 refuses an export whose tensors are not the model's (transformers alone would initialise the missing
 ones at random, with only a warning) or holds NaN or inf weights, as scripts/generate.py does. A quantized export (int8 / int4,
 torchao) is loaded here rather than by transformers' loader, the way spider_titan loads it
-(quantization/weight_only.py ``load_quantized``; docs/hf.md says why not ``TorchAoConfig``).
+(quantization/weight_only.py ``load_quantized``; docs/hf.md says why not ``TorchAoConfig``), dequantized once
+at load unless ``from_pretrained(..., keep_quantized=True)``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from spider_titan.models.spider.args import SpiderArgs
 from spider_titan.models.spider.decode import SpiderCache, decode, new_cache, unsupported
 from spider_titan.models.spider.model import SPIDER_SPEC, Spider
 from spider_titan.protocol import DTYPES, ModelSpec, lm_loss_mean
-from spider_titan.quantization.weight_only import load_quantized, read_method, tensor_parts, unflatten_quantized
+from spider_titan.quantization.weight_only import (
+    dequantize_weights,
+    load_quantized,
+    read_method,
+    tensor_parts,
+    unflatten_quantized,
+)
 from spider_titan.vocab import IGNORE_INDEX, PAD_ID
 
 
@@ -90,6 +97,7 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
             check_quantized_files(folder, method)
             if method is not None:
                 return _finite(cls._from_quantized(folder, config, method, kwargs), folder)
+        kwargs.pop("keep_quantized", None)  # an unquantized export has nothing to keep
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -105,9 +113,10 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _from_quantized(cls, folder: Path, config: SpiderConfig, method: str, kwargs: dict) -> SpiderForCausalLM:
         """The int8 / int4 export in ``folder``, loaded as spider_titan's ``load_model`` loads it: the
-        model built, the same linears quantized, every tensor loaded strictly. Of ``from_pretrained``'s
-        ``kwargs`` it honours ``dtype`` (the compute dtype; default or "auto": the export's) and a
-        ``device_map`` naming one device."""
+        model built, the same linears and experts quantized, every tensor loaded strictly, then dequantized
+        once into the compute dtype unless ``keep_quantized=True`` (memory over speed). Of ``from_pretrained``'s
+        ``kwargs`` it honours ``dtype`` (the compute dtype; default or "auto": the export's), a ``device_map``
+        naming one device and ``keep_quantized``."""
         saved = DTYPES.get(str(config.dtype).removeprefix("torch."))
         if saved is None:
             raise ValueError(f"{folder / CONFIG_FILE}: dtype {config.dtype!r} is not one of {sorted(DTYPES)}")
@@ -121,6 +130,8 @@ class SpiderForCausalLM(PreTrainedModel, GenerationMixin):
         model = cls(config)
         load_quantized(model.model, read_tensors(folder, unflatten_quantized), method, dtype=saved, where=folder)
         model = model.to(device=device, dtype=dtype).eval()
+        if not kwargs.get("keep_quantized", False):
+            dequantize_weights(model, dtype)
         return (model, {"missing_keys": [], "unexpected_keys": []}) if kwargs.get("output_loading_info") else model
 
     @classmethod

@@ -10,10 +10,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -75,11 +78,16 @@ def test_int4_packs_two_values_per_byte():
     assert torch.equal(weight_only._unpack_int4(packed), q)
 
 
+def _experts(model: nn.Module) -> nn.Module:
+    return model.core.layers[0].moe.experts
+
+
 @pytest.mark.parametrize("method", weight_only.METHODS)
 def test_a_quantized_export_loads_the_same_in_spider_titan_and_transformers(exports, method, monkeypatch):
-    """The export's linears are torchao's quantized tensors but for those the spec keeps; spider_titan's
-    load_model reads back exactly what was quantized, and transformers (the export's own code) builds
-    the same model: equal logits and the same greedy bytes from both generate()s."""
+    """The export's linears and experts are torchao's quantized tensors but for those the spec keeps;
+    spider_titan's load_model reads back exactly what was quantized, and transformers (the export's own
+    code) builds the same model: equal logits and the same greedy bytes from both generate()s, with the
+    weights kept quantized and with them dequantized at load (the default)."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = exports[method]
@@ -87,9 +95,11 @@ def test_a_quantized_export_loads_the_same_in_spider_titan_and_transformers(expo
     assert config["quantization"]["method"] == method and config["dtype"] == "bfloat16"
     assert {"lm_head", "embed_tokens"} <= set(config["quantization"]["kept_weights"])
 
-    model, _ = load_model(out)
+    model, _ = load_model(out, keep_quantized=True)
     engram = next(m for m in model.modules() if isinstance(m, Engram))
-    for weight in (model.core.inject.weight, model.byte_ngrams.tables[0].weight, engram.table1.weight):
+    experts = [model.core.inject.weight, model.byte_ngrams.tables[0].weight, engram.table1.weight]
+    experts += [getattr(_experts(model), n) for n in weight_only.EXPERT_WEIGHTS]
+    for weight in experts:
         assert type(weight).__name__ == QUANTIZED_TYPE[method]
     assert type(model.lm_head.weight) is nn.Parameter and type(model.boundary_predictor.q_proj.weight) is nn.Parameter
     assert type(model.embed_tokens.weight) is nn.Parameter
@@ -97,20 +107,80 @@ def test_a_quantized_export_loads_the_same_in_spider_titan_and_transformers(expo
     _, _, source = read_export(exports["fp32"])
     identity = ModelIdentity.of("spider", "debug", SPIDER_FLAVORS["debug"])
     written, _ = quantized_state(source, identity, torch.bfloat16, method)
-    stored = load_model(out, dtype=torch.bfloat16)[0].state_dict()
+    stored = load_model(out, dtype=torch.bfloat16, keep_quantized=True)[0].state_dict()
     assert written.keys() == stored.keys()
     for key, value in written.items():
         assert type(stored[key]) is type(value), key
         assert all(map(torch.equal, weight_only.tensor_parts(value), weight_only.tensor_parts(stored[key]))), key
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
     prompt = b"Once upon"
     ids = torch.tensor([[BOS_ID, *prompt]])
+    dequantized, _ = load_model(out)
+    assert not any(weight_only.is_quantized(t) for t in dequantized.state_dict().values())
+    assert "forward" not in vars(_experts(dequantized))
+    for ours, keep in ((model, True), (dequantized, False)):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            out, trust_remote_code=True, dtype=torch.float32, keep_quantized=keep
+        )
+        assert weight_only.is_quantized(_experts(hf.model).w1) is keep
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+        mine = generate(ours, prompt, max_new_bytes=16, temperature=0)
+        theirs = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert len(mine) == 16 and list(mine) == theirs
+    with torch.no_grad():  # the same values dequantized once or at every call (torchao rounds tables to bf16)
+        torch.testing.assert_close(dequantized(ids).logits, model(ids).logits, rtol=0, atol=5e-3)
+
+
+@pytest.mark.parametrize("method", weight_only.METHODS)
+def test_quantized_experts_round_each_value_to_within_half_a_step(exports, method):
+    """Every exported expert weight, dequantized, is within half its scale (and the scale's own rounding) of the
+    bf16 weight it was quantized from: one scale per output row of each expert (int8), per 32 values of a row (int4)."""
+    _, _, source = read_export(exports["fp32"])
+    model, _ = load_model(exports[method], keep_quantized=True)
+    for fqn, module in weight_only.expert_modules(model):
+        for name in weight_only.EXPERT_WEIGHTS:
+            weight = getattr(module, name)
+            original = source[f"{fqn}.{name}"].to(torch.bfloat16).float()  # (E, out, in)
+            E, rows, width = original.shape
+            group = width if method == "int8" else weight_only.INT4_GROUP_SIZE
+            assert weight.scale.shape == (E, rows, width // group)
+            error = (weight_only.dequantized(weight, torch.float32) - original).abs()
+            error = error.reshape(E, rows, width // group, group).amax(-1)  # per row or group
+            # half a step, and the rounding of the arithmetic torchao quantizes in (the scale's dtype at export:
+            # fp32 for int8, the export's bf16 for int4): the scale and the quotient value / scale each a relative
+            # eps / 2 off, at up to 7.5 or 127.5 steps from zero
+            levels, arithmetic = (127.5, torch.float32) if method == "int8" else (7.5, torch.bfloat16)
+            bound = weight.scale.float() * (0.5 + levels * torch.finfo(arithmetic).eps)
+            assert bool((error <= bound * (1 + 1e-6)).all()) and float(error.max()) > 0, f"{fqn}.{name}"
+
+
+@pytest.mark.parametrize("method", weight_only.METHODS)
+def test_quantized_experts_dequantize_only_the_experts_a_call_routes_to(method, monkeypatch):
+    """The quantized experts' forward equals the plain experts' forward on the dequantized weights, bit for
+    bit, and dequantizes only the experts given rows (here 2 of 8, in a call with an empty expert between)."""
+    from spider_titan.moe.layer import GroupedExperts
+
+    torch.manual_seed(0)
+    plain = GroupedExperts(8, 64, 96)
+    plain.init_weights(0.02, 0.02)
+    quantized = GroupedExperts(8, 64, 96)
+    quantized.load_state_dict(plain.state_dict())
+    weight_only.apply_weight_only(quantized, method, [f"{n}" for n in weight_only.EXPERT_WEIGHTS])
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
-    ours = generate(model, prompt, max_new_bytes=16, temperature=0)
-    theirs = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
-    assert len(ours) == 16 and list(ours) == theirs
+        for n in weight_only.EXPERT_WEIGHTS:
+            getattr(plain, n).copy_(weight_only.dequantized(getattr(quantized, n), torch.float32))
+    x = torch.randn(5, 64)
+    offs = torch.tensor([0, 0, 3, 3, 3, 3, 5, 5], dtype=torch.int32)  # experts 2 and 6: rows 0-2 and 3-4
+    seen = []
+    routed = weight_only.routed_expert_weights
+    monkeypatch.setattr(
+        weight_only, "routed_expert_weights", lambda w, e, d: seen.append(e.tolist()) or routed(w, e, d)
+    )
+    with torch.no_grad():
+        got = quantized(x, offs, filled=True)
+        assert torch.equal(got, plain(x, offs, filled=True))
+    assert seen == [[2, 6]] * 3
 
 
 @pytest.mark.parametrize("method", weight_only.METHODS)
@@ -192,3 +262,71 @@ def test_reading_a_quantized_export_needs_torchao_and_a_known_method(exports, tm
         f"{folder / 'config.json'}: quantization 'int3' is not one this code reads (int8, int4); "
         "load it with the spider_titan that wrote it"
     )
+
+
+W1 = "core.layers.0.moe.experts._w1_"  # the stored parts of one expert weight: qdata, scale, zero_point
+
+
+def _cut_file(tensors: dict, metadata: dict) -> None:
+    """Nothing here: the file loses its last 100 bytes once written."""
+
+
+def _cut_experts(tensors: dict, metadata: dict) -> None:
+    tensors[W1 + "qdata"] = tensors[W1 + "qdata"][:-1].clone()  # one expert fewer
+
+
+def _reshape_data(tensors: dict, metadata: dict) -> None:
+    tensors[W1 + "qdata"] = tensors[W1 + "qdata"].flatten(0, 1).clone()  # (E * out, in)
+
+
+def _reshape_scale(tensors: dict, metadata: dict) -> None:
+    tensors[W1 + "scale"] = tensors[W1 + "scale"].reshape(-1, 2).clone()
+
+
+def _nan_scale(tensors: dict, metadata: dict) -> None:
+    tensors[W1 + "scale"][0, 0] = float("nan")
+
+
+def _drop_scale(tensors: dict, metadata: dict) -> None:
+    del tensors[W1 + "scale"]
+
+
+DAMAGE = {  # name -> (edit of the stored tensors, what the one line says)
+    "truncated-file": (_cut_file, "unreadable"),
+    "truncated-experts": (_cut_experts, "core.layers.0.moe.experts.w1"),
+    "reshaped-data": (_reshape_data, "core.layers.0.moe.experts.w1: its data"),
+    "reshaped-scale": (_reshape_scale, "core.layers.0.moe.experts.w1: its scale is"),
+    "nan-scale": (_nan_scale, "tensor core.layers.0.moe.experts.w1 holds NaN or inf"),
+    "missing-scale": (_drop_scale, f"its scale ({W1}scale) is missing"),
+}
+
+
+@pytest.mark.parametrize("method", weight_only.METHODS)
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_quantized_expert_weight_is_refused_in_one_line_by_both_loaders(
+    exports, tmp_path, method, damage, monkeypatch
+):
+    """A quantized export whose expert weight was cut, reshaped, given a NaN scale or lost its scale is
+    refused by spider_titan's loader (what generate.py prints) and by transformers', each in one line
+    naming the file or the tensor, never loaded with wrong values."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "export"
+    shutil.copytree(exports[method], folder)
+    file = folder / "model.safetensors"
+    with safetensors.safe_open(str(file), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    edit, says = DAMAGE[damage]
+    edit(tensors, metadata)
+    safetensors.torch.save_file(tensors, file, metadata=metadata)
+    if damage == "truncated-file":
+        file.write_bytes(file.read_bytes()[:-100])
+    loaders = {
+        "spider_titan": lambda: load_model(folder),
+        "transformers": lambda: transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True),
+    }
+    for name, load in loaders.items():
+        with pytest.raises(ValueError) as err:
+            load()
+        line = str(err.value)
+        assert "\n" not in line and says in line and str(folder) in line, (name, line)
