@@ -7,7 +7,10 @@ re-exported) into ``--out`` and loaded by ``generation.load_model`` (fp32 comput
 Per format: the weights' file size, the load time (median of ``--loads``), the val bits per byte of
 every corpus in ``--data`` over the whole val split, each paired with bf16's over the same windows (the
 difference and its standard error, ``protocol.paired_difference``), and cached decoding bytes/s on CPU
-(``--new`` greedy bytes after a ``--context``-byte prompt of the first corpus' val text). ``--ablate``
+(``--new`` bytes of the first corpus' val text fed after a ``--context``-byte prompt of it), of the quantized
+formats both as loaded by default (dequantized once) and kept quantized (``keep_quantized``); every model is
+timed in each of ``--rounds`` rounds, in turn, and keeps its best, so a load on the machine falls on all alike,
+and each is also given as a ratio to bf16's. ``--ablate``
 adds a second table that decides ``Inference.quantize_keep_fqns``: int8 and int4 quantized in memory
 from the bf16 export with the small or loop-sensitive linears and the hashed tables (:data:`CANDIDATES`) all
 kept in bf16, then each of them quantized too, then all, each paired with the all-kept row.
@@ -36,9 +39,9 @@ from spider_titan.quantization.weight_only import apply_weight_only, plan_weight
 from spider_titan.training.validation import whole_split_batches
 from spider_titan.vocab import BOS_ID
 
-# linears and tables that may stay bf16; the byte and loop embeddings (a few hundred rows; the loop embedding is
+# linears, tables and expert weights that may stay bf16; the byte and loop embeddings (a few hundred rows; the loop embedding is
 # read by index, not called) stay bf16 in every row
-CANDIDATES = ("lm_head", "boundary_predictor", "core.inject", "router", "byte_ngrams", "engram.table")
+CANDIDATES = ("lm_head", "boundary_predictor", "core.inject", "router", "byte_ngrams", "engram.table", "experts")
 SMALL_TABLES = ("embed_tokens", "loop_embedding")
 FORMATS = {  # name -> (dtype of the rest, --quantize)
     "fp32": (torch.float32, None),
@@ -68,15 +71,17 @@ def window_losses(model, loader: ByteDataLoader) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def decode_bytes_per_s(model, prompt: bytes, new: int) -> float:
-    """Greedy bytes/s of the model's cached decoder after ``prompt`` (untimed)."""
+def decode_bytes_per_s(model, prompt: bytes, follow: bytes) -> float:
+    """Bytes/s of the model's cached decoder fed ``follow`` one byte at a time after ``prompt`` (untimed).
+    Every model is fed the same bytes: Spider's work per byte depends on where its segments end, so a model's
+    own greedy bytes would time different work."""
     decoder = model_spec(model).cached_decoder()
     cache = decoder.new_cache(model, 1)
-    last = decoder.decode(model, torch.tensor([[BOS_ID, *prompt]]), cache)[0, -1]
+    decoder.decode(model, torch.tensor([[BOS_ID, *prompt]]), cache)
     t0 = time.perf_counter()
-    for _ in range(new):
-        last = decoder.decode(model, torch.tensor([[int(last[:256].argmax())]]), cache)[0, -1]
-    return new / (time.perf_counter() - t0)
+    for byte in follow:
+        decoder.decode(model, torch.tensor([[byte]]), cache)
+    return len(follow) / (time.perf_counter() - t0)
 
 
 def folder_bytes(path: Path) -> int:
@@ -96,12 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="val windows per forward (default 8)")
     p.add_argument("--loads", type=int, default=3, help="timed loads per format, median (default 3)")
     p.add_argument("--context", type=int, default=256, help="prompt bytes before the timed decode (default 256)")
-    p.add_argument("--new", type=int, default=128, help="greedy bytes timed per format (default 128)")
+    p.add_argument("--new", type=int, default=128, help="bytes decoded and timed per format (default 128)")
+    p.add_argument("--rounds", type=int, default=3, help="decode timings per model, best kept (default 3)")
     p.add_argument("--ablate", action="store_true", help="the table that chooses the linears kept in bf16")
     p.add_argument("--markdown", help="append the table to this markdown file")
     args = p.parse_args(argv)
     args.argv = sys.argv[2:] if argv is None else list(argv)
-    check_positive(PROG, seq_len=args.seq_len, batch=args.batch, loads=args.loads, context=args.context, new=args.new)
+    check_positive(
+        PROG,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        loads=args.loads,
+        context=args.context,
+        new=args.new,
+        rounds=args.rounds,
+    )
     check_folder(PROG, "--model", args.model, what="a trained, unquantized export")
     corpora = [c for c in args.data.split(",") if c]
     if not corpora:
@@ -123,10 +137,14 @@ def _run(args: argparse.Namespace, out: Path, corpora: list[str]) -> int:
     """Every format written, loaded, scored and timed; the table printed and written."""
     torch.manual_seed(0)
     loaders = {c: val_loader(c, args.seq_len, args.batch) for c in corpora}
-    first = next(iter(whole_split_batches(loaders[corpora[0]])))[0][0]
-    prompt = bytes(int(b) for b in first[first < 256][: args.context])
+    text = bytearray()
+    for inputs, _ in whole_split_batches(loaders[corpora[0]]):
+        text += bytes(int(b) for b in inputs.flatten() if b < 256)
+        if len(text) >= args.context + args.new:
+            break
+    prompt, follow = bytes(text[: args.context]), bytes(text[args.context : args.context + args.new])
 
-    rows, losses = {}, {}
+    rows, losses, decoders = {}, {}, {}
     for name, (dtype, quantize) in FORMATS.items():
         folder = export_checkpoint(Path(args.model), out / name, dtype=dtype, quantize=quantize)
         load_model(folder)  # warm: imports, page cache
@@ -136,12 +154,19 @@ def _run(args: argparse.Namespace, out: Path, corpora: list[str]) -> int:
             model, _ = load_model(folder)
             times.append(time.perf_counter() - t0)
         losses[name] = {c: window_losses(model, loader) for c, loader in loaders.items()}
-        rows[name] = {
-            "file_mb": folder_bytes(folder) / 1e6,
-            "load_s": statistics.median(times),
-            "decode_bytes_per_s": decode_bytes_per_s(model, prompt, args.new),
-        }
+        rows[name] = {"file_mb": folder_bytes(folder) / 1e6, "load_s": statistics.median(times)}
+        decoders[(name, "decode_bytes_per_s")] = model
+        if quantize is not None:
+            decoders[(name, "decode_kept_bytes_per_s")] = load_model(folder, keep_quantized=True)[0]
         print(name, json.dumps(rows[name]), flush=True)
+    speeds = {key: 0.0 for key in decoders}
+    for _ in range(args.rounds):  # each model once per round, in turn
+        for key, model in decoders.items():
+            speeds[key] = max(speeds[key], decode_bytes_per_s(model, prompt, follow))
+    bf16 = speeds[("bf16", "decode_bytes_per_s")]
+    for (name, column), speed in speeds.items():
+        rows[name][column] = speed
+        rows[name][column.replace("bytes_per_s", "vs_bf16")] = speed / bf16
     for name, row in rows.items():
         row.update(_paired(losses[name], losses["bf16"], corpora))
     ablation = {}
@@ -184,6 +209,10 @@ def _paired(got: dict, ref: dict, corpora: list[str]) -> dict:
     return out
 
 
+def _speed(row: dict, column: str) -> str:
+    return f"{row[column + '_bytes_per_s']:.0f} ({row[column + '_vs_bf16']:.2f}x)"
+
+
 def _cell(r: dict) -> str:
     return f"{r['bpb']:.4f} ({r['diff']:+.4f} ± {r['se']:.4f})"
 
@@ -192,11 +221,14 @@ def markdown(report: dict, corpora: list[str]) -> str:
     """The formats as a markdown table (bpb and paired difference to bf16 per corpus, size, load,
     decode), then the ablation's (difference to bf16 and to the row with every candidate kept)."""
     names = [Path(c).name for c in corpora]
-    head = ["format", *[f"{n} val bpb (vs bf16 ± s.e.)" for n in names], "weights MB", "load s", "decode B/s"]
+    head = ["format", *[f"{n} val bpb (vs bf16 ± s.e.)" for n in names], "weights MB", "load s"]
+    head += ["decode B/s (x bf16)", "kept quantized: decode B/s (x bf16)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in report["rows"].items():
         cells = [name, *[_cell(row[c]) for c in corpora]]
-        cells += [f"{row['file_mb']:.2f}", f"{row['load_s']:.3f}", f"{row['decode_bytes_per_s']:.0f}"]
+        cells += [f"{row['file_mb']:.2f}", f"{row['load_s']:.3f}"]
+        cells += [_speed(row, "decode")]
+        cells += [_speed(row, "decode_kept") if "decode_kept_bytes_per_s" in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     if report["ablation"]:
         head = ["quantized in memory", *[f"{n} {vs}" for n in names for vs in ("vs bf16", "vs kept")]]
