@@ -2,7 +2,7 @@
 
 A compiled Spider 1B step on one H200 keeps the GPU idle most of the core's forward: 36 compiled
 block calls, each a few dozen kernels launched from Python, plus the glue between them
-(lab/log/2026-11-27-h200-runs-a-b.md). A CUDA graph launches all of them at once. After
+(docs/benchmarks.md, "Spider 1B on one GPU"). A CUDA graph launches all of them at once. After
 ``WARMUP_STEPS`` plain steps (the first compiles), the next step's forward and backward over all its
 micro-batches (the weight casts, autocast, activation-checkpoint recomputes and compiled blocks
 included) is captured once, on the stream the warm-up ran on, and every later step copies its
