@@ -40,9 +40,15 @@ WIDTHS = {
     "engram_dim": 32,
     "lora_rank": 8,
 }
-# the dry run's model: the debug flavor with one core block and neither Engram nor byte n-grams, two block
-# structures to compile (byte block, core block) instead of four: the same accounting at half the compile
-REDUCED = {"model.n_core": 1, "model.engram_layers": [], "model.byte_ngram_orders": []}
+# the dry run's model: the debug flavor with one core block, no byte blocks around it and neither Engram nor byte
+# n-grams, one block structure to compile instead of four: the same accounting at a fraction of the compile
+REDUCED = {
+    "model.n_prelude": 0,
+    "model.n_core": 1,
+    "model.n_coda": 0,
+    "model.engram_layers": [],
+    "model.byte_ngram_orders": [],
+}
 # bytes per element of the profiler's dtype names
 ELEMENT_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1}
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::linear", "aten::matmul"}

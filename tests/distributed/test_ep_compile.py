@@ -27,7 +27,8 @@ from tests.utils import check_ok, run_train
 
 pytestmark = pytest.mark.slow  # compile on 2 CPU cores: about 2 minutes with a cold inductor cache
 
-# one core block without Engram: two block structures to compile (byte block, core block), not three
+# one core block without Engram and no byte blocks around it: one block structure to compile, the core's,
+# where the dispatch is (the byte blocks are dense and compile under test_recompiles.py)
 SMALL = [
     "--training.steps",
     "3",
@@ -35,8 +36,12 @@ SMALL = [
     "2",
     "--parallelism.expert_parallel_degree",
     "2",
+    "--model.n_prelude",
+    "0",
     "--model.n_core",
     "1",
+    "--model.n_coda",
+    "0",
     "--model.engram_layers",
     "[]",
     "--model.byte_ngram_orders",  # nothing the dispatch sees (FSDP over the tables: test_parallelism)
