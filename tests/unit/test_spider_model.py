@@ -18,8 +18,7 @@ from spider_titan.models.spider import segmentation as seg_mod
 from spider_titan.models.spider.segmentation import boundary_loss, downsample, segment_bytes, upsample
 from spider_titan.vocab import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, VOCAB_SIZE
 
-# Two core loops where the shipped debug flavor trains one (docs/experiments.md, "One core loop as debug's
-# default"): the model's tests exercise what runs between loops (inject, per-loop LoRA, the extra-loop gains).
+# Two core loops where the shipped debug flavor trains one (lab/log/2026-11-29-one-core-loop.md): the model's tests exercise what runs between loops (inject, per-loop LoRA, the extra-loop gains).
 DEBUG = dataclasses.replace(SPIDER_FLAVORS["debug"], n_loops=2)
 # The mean convention (a segment is the mean of its bytes, each byte reads the segment before its own),
 # named where a test is about it, so a change of default cannot make the test vacuous. With a learned
