@@ -30,9 +30,37 @@ TINY_RUN: dict[str, object] = {
 }
 
 
+# For a compiled run whose test reads no kernel launches (graph breaks, recompiles, compiled against eager):
+# inductor's C++ wrapper, which builds a graph's kernels and its wrapper as one C++ module, one g++ call,
+# where the Python wrapper builds one module per kernel (about 1 s each on the 2-core machine, mostly loading
+# the precompiled header). The kernels are the same; a launch count needs the Python wrapper, whose calls
+# the profiler sees (lab/bench/launches.py), and the expert-parallel graphs need it too (the C++ wrapper
+# cannot call the dispatch's custom op: "arg type Any is not yet supported"). Measured (2026-12-02, 2 cores, cold cache): the torch
+# compiled-against-eager case 92 s against 67 s wall, 74 against 61 CPU-seconds.
+ONE_MODULE_PER_GRAPH = {"TORCHINDUCTOR_CPP_WRAPPER": "1"}
+
+
 def flag_value(value: object) -> str:
     """A Python value as the trainer's CLI spells it: ``true``/``false`` for a bool, else ``str``."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# One block structure for the compile tests: a single core block, no byte blocks around it, no Engram and no
+# byte n-grams; inductor builds one set of kernels where the debug model's five blocks take three or four.
+# The whole debug model compiles in tests/integration/test_recompiles.py. Keys as tiny_run() takes them, so
+# a test adds what it varies: tiny_run(**ONE_BLOCK, moe__backend="triton"), or as bare flags: flags(**ONE_BLOCK).
+ONE_BLOCK: dict[str, object] = {
+    "model__n_prelude": 0,
+    "model__n_core": 1,
+    "model__n_coda": 0,
+    "model__engram_layers": [],
+    "model__byte_ngram_orders": [],
+}
+
+
+def flags(**settings: object) -> list[str]:
+    """``section__key=value`` settings as trainer flags (``--section.key value``), in their order."""
+    return _as_flags(_merged({}, settings, "flags"))
 
 
 def tiny_run(**overrides: object) -> list[str]:
@@ -41,18 +69,26 @@ def tiny_run(**overrides: object) -> list[str]:
     tiny run takes the new value in place, a new key is added after them, and ``None`` drops a key
     (the TOML's value then holds: ``training__dataset=None`` trains on the config's corpus). The
     result is a fresh list, so a test may append flags of its own."""
-    settings = dict(TINY_RUN)
+    if overrides.get("job__config_file", DEBUG_SPIDER) is None:
+        raise TypeError("tiny_run: a tiny run needs a config file (job__config_file=DEBUG_DENSE)")
+    return _as_flags(_merged(TINY_RUN, overrides, "tiny_run"))
+
+
+def _merged(base: dict[str, object], overrides: dict[str, object], caller: str) -> dict[str, object]:
+    """``base`` (dotted keys) with ``overrides`` (``section__key``) set in place or added; ``None`` drops a key."""
+    settings = dict(base)
     for name, value in overrides.items():
         section, sep, key = name.partition("__")
         if not sep or not key:
-            raise TypeError(f"tiny_run: {name!r} is not section__key (e.g. training__steps=5)")
-        dotted = f"{section}.{key}"
+            raise TypeError(f"{caller}: {name!r} is not section__key (e.g. training__steps=5)")
         if value is None:
-            if dotted == "job.config_file":
-                raise TypeError("tiny_run: a tiny run needs a config file (job__config_file=DEBUG_DENSE)")
-            settings.pop(dotted, None)
+            settings.pop(f"{section}.{key}", None)
         else:
-            settings[dotted] = value
+            settings[f"{section}.{key}"] = value
+    return settings
+
+
+def _as_flags(settings: dict[str, object]) -> list[str]:
     return [part for dotted, value in settings.items() for part in (f"--{dotted}", flag_value(value))]
 
 

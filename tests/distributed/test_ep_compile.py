@@ -23,35 +23,21 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.test_parallelism import COMMON, steps
-from tests.utils import check_ok, run_train
+from tests.utils import ONE_BLOCK, check_ok, flags, run_train
 
 pytestmark = pytest.mark.slow  # compile on 2 CPU cores: about 2 minutes with a cold inductor cache
 
-# one core block without Engram and no byte blocks around it: one block structure to compile, the core's,
-# where the dispatch is (the byte blocks are dense and compile under test_recompiles.py)
-SMALL = [
-    "--training.steps",
-    "3",
-    "--training.local_batch_size",
-    "2",
-    "--parallelism.expert_parallel_degree",
-    "2",
-    "--model.n_prelude",
-    "0",
-    "--model.n_core",
-    "1",
-    "--model.n_coda",
-    "0",
-    "--model.engram_layers",
-    "[]",
-    "--model.byte_ngram_orders",  # nothing the dispatch sees (FSDP over the tables: test_parallelism)
-    "[]",
+# one block structure to compile (tests/utils.py ONE_BLOCK), the core's, where the dispatch is; the byte
+# n-grams are nothing the dispatch sees (FSDP over the tables: test_parallelism.py)
+SMALL = flags(
+    **ONE_BLOCK,
+    training__steps=3,
+    training__local_batch_size=2,
+    parallelism__expert_parallel_degree=2,
     # static shapes as spider_1b_fp8_fsdp_ep.toml ships them: segment slots, the core packed
-    "--model.segment_capacity",
-    "1.5",
-    "--model.packed_capacity",
-    "1.35",
-]
+    model__segment_capacity=1.5,
+    model__packed_capacity=1.35,
+)
 
 
 @pytest.mark.parametrize(

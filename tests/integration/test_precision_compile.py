@@ -7,7 +7,7 @@ import pytest
 from spider_titan.config.manager import parse_args
 from spider_titan.train import Trainer
 from spider_titan.training.progress import reduce_metrics
-from tests.utils import check_ok, read_metrics, run_train, tiny_run
+from tests.utils import ONE_BLOCK, ONE_MODULE_PER_GRAPH, check_ok, read_metrics, run_train, tiny_run
 from tests.utils import train_losses as train_losses_of
 
 
@@ -73,16 +73,11 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
     """Every block compiled with fullgraph=True (inductor on CPU), 5-12 steps whose segment counts vary
     batch to batch: no graph break, at most 2 recompiles, losses equal to eager within 1e-5 over the
     first 5 steps (fp32) and within 1e-4 over the rest (the drift of the optimizer steps)."""
+    # one block structure to compile (tests/utils.py ONE_BLOCK) with its Engram: what the cases vary is all in it
     args = tiny_run(
+        **(ONE_BLOCK | {"model__engram_layers": [0]}),
         training__steps=steps,
         training__seq_len=96,
-        # one block structure to compile: a single core block (with its Engram), no byte blocks around it and
-        # no byte n-grams; what the cases vary is all in it (the byte blocks compile under test_recompiles.py)
-        model__n_prelude=0,
-        model__n_core=1,
-        model__n_coda=0,
-        model__engram_layers=[0],
-        model__byte_ngram_orders=[],
         moe__backend=backend,
         moe__load_balance=balance,
         model__n_loops=n_loops,
@@ -97,7 +92,7 @@ def test_compiled_blocks_have_no_graph_break_and_match_eager(backend, balance, n
         args
         + ["--activation_checkpoint.mode", ac, *budget]
         + ["--training.compile", "true", "--job.dump_folder", str(tmp_path / "compiled")],
-        env={"TORCH_LOGS": "graph_breaks,recompiles"},
+        env={"TORCH_LOGS": "graph_breaks,recompiles", **ONE_MODULE_PER_GRAPH},
     )
     check_ok(compiled)
     logs = compiled.stdout + compiled.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spider_titan.config.manager import parse_args
-from tests.utils import DEBUG_DENSE, REPO, TINY_RUN, tiny_run
+from tests.utils import DEBUG_DENSE, ONE_BLOCK, REPO, TINY_RUN, flags, tiny_run
 
 
 def parsed(argv: list[str]):
@@ -35,3 +35,13 @@ def test_an_override_replaces_in_place_adds_or_drops_a_key():
 def test_a_misspelt_override_is_refused(bad):
     with pytest.raises(TypeError, match="tiny_run"):
         tiny_run(**bad)
+
+
+def test_one_block_is_a_single_core_block_and_flags_spell_it_alone():
+    cfg = parsed(tiny_run(**ONE_BLOCK))
+    model = cfg.model.overrides
+    assert (model["n_prelude"], model["n_core"], model["n_coda"]) == (0, 1, 0)
+    assert model["engram_layers"] == [] and model["byte_ngram_orders"] == []
+    bare = flags(**ONE_BLOCK, training__steps=3)
+    assert bare[:2] == ["--model.n_prelude", "0"] and bare[-2:] == ["--training.steps", "3"]
+    assert len(bare) == 2 * (len(ONE_BLOCK) + 1) and "--job.config_file" not in bare
