@@ -17,7 +17,10 @@ import torch
 from lab.device import third_scale as ts
 
 ROOT = Path(__file__).resolve().parents[2]
-HARNESS_ROWS = "dense_1b,spider_1b_fp8"
+# the harness's part with one of its rows, skipped without CUDA: the call starts the harness by its own command
+# and carries its rows into the report; the rows that run on a CPU run in lab/tests/test_gpu_harness.py's own
+# dry run (with dense_1b here as well, the same row ran twice in the suite: 30 s, 2026-12-02)
+HARNESS_ROWS = "spider_1b_fp8"
 
 
 def tiny_corpus(folder: Path) -> Path:
@@ -45,8 +48,6 @@ def test_dry_run_writes_the_table_and_json_with_every_row(tmp_path):
     # loaded machine slows the test and does not cut a part; the FLOPs budget is then the dry run's target
     cmd += ["--held_out_val_fraction", "0.3", "--total_s", "3000", "--probe_s", "800", "--train_s", "800"]
     cmd += ["--eval_s", "600", "--harness_s", "700"]
-    # the harness's part with two of its rows: dense_1b runs, spider_1b_fp8 is skipped without CUDA (the
-    # spider rows run in lab/tests/test_gpu_harness.py's own dry run)
     cmd += ["--harness_rows", HARNESS_ROWS]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3300)
@@ -73,7 +74,7 @@ def test_dry_run_writes_the_table_and_json_with_every_row(tmp_path):
     assert report["verdict"]["outcome"] == "inconclusive"  # the dry run's budget is far under 100x small's
     rows = report["harness"]["rows"]
     assert set(rows) == set(HARNESS_ROWS.split(",")) and set(rows) < set(ts.HARNESS_ROWS.split(","))
-    assert rows["dense_1b"]["bytes_per_s"] > 0 and "skipped" in rows["spider_1b_fp8"]
+    assert "skipped" in rows["spider_1b_fp8"] and "command" in report["harness"]
     for name in rows:
         assert f"| {name} |" in md
     assert (out / "gpu_1b.json").exists() and (out / "logs.tar.gz").stat().st_size > 0
