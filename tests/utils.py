@@ -35,8 +35,8 @@ TINY_RUN: dict[str, object] = {
 # where the Python wrapper builds one module per kernel (about 1 s each on the 2-core machine, mostly loading
 # the precompiled header). The kernels are the same; a launch count needs the Python wrapper, whose calls
 # the profiler sees (lab/bench/launches.py), and the expert-parallel graphs need it too (the C++ wrapper
-# cannot call the dispatch's custom op: "arg type Any is not yet supported"). Measured (2026-12-02, 2 cores, cold cache): the torch
-# compiled-against-eager case 92 s against 67 s wall, 74 against 61 CPU-seconds.
+# cannot call the dispatch's custom op: "arg type Any is not yet supported"). Measured (2026-12-02, 2 cores,
+# cold cache): the torch compiled-against-eager case 92 s against 67 s wall, 74 against 61 CPU-seconds.
 ONE_MODULE_PER_GRAPH = {"TORCHINDUCTOR_CPP_WRAPPER": "1"}
 
 

@@ -149,8 +149,8 @@ HASH_ADD = 12_345
 
 def hashed_byte_ngrams(buckets: int) -> dict:
     """Hashed byte n-grams of lengths 3-8 with ``buckets`` rows per length: one setting per flavor, shared by
-    Spider and dense so that the two compare with the same input embeddings (lab/log/2026-11-28-byte-ngrams.md;
-    debug's 2,048 from 2026-11-29-debug-byte-ngrams.md, ``small``'s 32,768 from 2026-11-29-ngram-buckets-32k.md)."""
+    Spider and dense so that the two compare with the same input embeddings (lab/DECISIONS.md,
+    ``byte_ngram_orders`` and ``byte_ngram_buckets``: debug's 2,048 and ``small``'s 32,768 each)."""
     return {"byte_ngram_orders": [3, 4, 5, 6, 7, 8], "byte_ngram_buckets": buckets}
 
 

@@ -69,7 +69,7 @@ class SpiderArgs:
     """Rows of each byte n-gram table (one table of ``dim`` columns per order)."""
     byte_ngram_lr: float = ranged(8.0, low=0, low_open=True)
     """The n-gram tables' learning rate over the optimizer's (times any ``optimizer.lr_multipliers`` factor);
-    a row trains only in the steps whose bytes hit it (lab/log/2026-11-28-ngram-learning-rate.md)."""
+    a row trains only in the steps whose bytes hit it (lab/DECISIONS.md, ``byte_ngram_lr``)."""
 
     # ---- recurrence
     n_loops: int = ranged(2, low=1)
@@ -219,20 +219,20 @@ SPIDER_RETIRED_ARGS: dict[str, tuple[object, str]] = {
 
 SPIDER_FLAVORS: dict[str, SpiderArgs] = {
     # ~2.6 M parameters, 1.6 M of them byte n-gram tables: for CPU tests and the debug config. A narrow boundary
-    # predictor (lab/log/2026-11-26-learned-segmentation-overhead.md); 1B keeps H-Net's square
-    # projections. One core loop (-0.025, four paired runs at equal FLOPs; 2026-11-29-one-core-loop.md).
+    # predictor (lab/DECISIONS.md, ``boundary_dim``); 1B keeps H-Net's square
+    # projections. One core loop (-0.025, four paired runs at equal FLOPs; ``n_loops``).
     # Hashed byte n-grams of lengths 3-8, 2,048 buckets each (-0.354, four paired runs;
-    # 2026-11-29-debug-byte-ngrams.md).
+    # ``byte_ngram_orders``).
     "debug": SpiderArgs(boundary_dim=32, n_loops=1, **hashed_byte_ngrams(2048)),
     # 3.5x the two-loop debug's training FLOPs per byte (4.0x at 4 bytes per segment and 2 loops; seq 256; 54.6 M
     # parameters, 50.3 M of them byte n-gram tables): the second scale of the quality study (docs/benchmarks.md),
     # every width doubled, the structure of debug kept, except no Engram (level on the corpus it trains on, ahead
-    # on text it never saw; lab/log/2026-11-30-no-engram-small.md), hashed byte n-grams of lengths 3-8
-    # (``hashed_byte_ngrams``: 2026-11-28-byte-ngrams.md, 2026-11-29-ngram-buckets-32k.md), their tables trained at 8x the learning rate
-    # (2026-11-28-ngram-learning-rate.md), 6 bytes per segment (-0.013, four paired runs;
-    # 2026-11-29-six-bytes-per-segment.md) and one core loop (-0.015, four paired runs at equal FLOPs; 2026-11-29-one-core-loop.md).
+    # on text it never saw; lab/DECISIONS.md, ``engram_layers``), hashed byte n-grams of lengths 3-8
+    # (``hashed_byte_ngrams``; ``byte_ngram_buckets``), their tables trained at 8x the learning rate
+    # (``byte_ngram_lr``), 6 bytes per segment (-0.013, four paired runs;
+    # ``target_bytes_per_segment``) and one core loop (-0.015, four paired runs at equal FLOPs; ``n_loops``).
     # Fixed 6-byte segments with mean chunks, no learned boundaries (-0.010 over six paired runs on three corpora,
-    # ahead on text it never trained on; 2026-11-29-fixed-segments-small.md); ``boundary_dim`` is the learned
+    # ahead on text it never trained on; ``boundary_predictor``); ``boundary_dim`` is the learned
     # predictor's width where a run asks for one (``--model.boundary_predictor cosine``).
     "small": SpiderArgs(
         boundary_predictor="fixed",

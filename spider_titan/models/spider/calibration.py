@@ -2,7 +2,7 @@
 
 A model trained at ``n_loops`` loops has never seen the state a further loop hands on, and a full
 further loop can move it somewhere worse: measured at debug scale, eval at 2x the loops was up to
-0.002 bpb worse than at the trained count (lab/log/2026-11-24-test-time-depth.md). Each loop
+0.002 bpb worse than at the trained count (lab/DECISIONS.md, ``[calibration]``). Each loop
 ``i >= n_loops`` therefore hands on ``h + gain_i (F_i(h) - h)`` at eval (recurrence.py), and the gains
 are fitted after training, one loop at a time, on fresh training batches:
 
@@ -18,7 +18,7 @@ left out with the same figures (at debug size this cut the calibration from 10 s
 So on the calibration batches the loss never rises with the loop count (gain 0 reproduces the
 previous count bit for bit), and a loop is kept only where it measurably helps: test-time depth is
 no worse than the trained depth, and better where a damped further loop helps (measured on the val
-split in lab/log/2026-11-25-calibrated-test-time-depth.md). The trained weights are not touched; the gains are a buffer, saved
+split: lab/DECISIONS.md, ``[calibration]``). The trained weights are not touched; the gains are a buffer, saved
 and exported with them.
 """
 
@@ -38,7 +38,7 @@ logger = logging.getLogger("spider_titan")
 GAINS = (0.25, 0.5, 1.0)
 # A gain is kept only when it beats the loop left out by this many standard errors. 3, not 2: the best of
 # three candidates is compared, which inflates a chance win, and a wrong keep breaks the promise that more
-# loops are no worse. Measured over 25 runs (lab/log/2026-11-25-calibrated-test-time-depth.md, 32 calibration batches), 4 loops were kept
+# loops are no worse. Measured over 25 runs (lab/DECISIONS.md, ``[calibration]``; 32 calibration batches), 4 loops were kept
 # at 2 s.e.: the two at 3.1-3.2 s.e. were 0.0003-0.0004 bpb better on the val split too, of the two at 2.7
 # s.e. one was 0.0005 better and one 0.0002 worse. 3 gives up the first of those for the promise.
 Z = 3.0
